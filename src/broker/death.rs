@@ -1,0 +1,183 @@
+//! Reading the broker's `x-death` record of a dead-lettered message, and
+//! the headers a replayed copy carries instead.
+
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+
+/// Header idem sets on a replayed message: how many times it was replayed.
+pub const REPLAY_HEADER: &str = "x-idem-replays";
+
+/// The most recent death of a message, from its `x-death` header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Death {
+    /// The queue it died in: where a replay sends it back.
+    pub queue: String,
+    /// `rejected`, `delivery_limit`, `expired` or `maxlen`.
+    pub reason: String,
+    /// How many times it died this way in this queue.
+    pub count: i64,
+    /// When, in seconds since the Unix epoch, if the broker said.
+    pub time: Option<u64>,
+    /// Exchange it was first published to.
+    pub exchange: String,
+    /// Routing keys it was published with.
+    pub routing_keys: Vec<String>,
+}
+
+impl Death {
+    /// The first (most recent) entry of `x-death`, if there is one.
+    pub fn latest(headers: Option<&FieldTable>) -> Option<Self> {
+        let AMQPValue::FieldArray(deaths) = headers?.inner().get("x-death")? else {
+            return None;
+        };
+        let AMQPValue::FieldTable(entry) = deaths.as_slice().first()? else {
+            return None;
+        };
+        let entry = entry.inner();
+        let text = |key: &str| match entry.get(key) {
+            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
+            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+            _ => None,
+        };
+        Some(Death {
+            queue: text("queue")?,
+            reason: text("reason").unwrap_or_default(),
+            count: entry.get("count").and_then(integer).unwrap_or(1),
+            time: match entry.get("time") {
+                Some(AMQPValue::Timestamp(t)) => Some(*t),
+                _ => None,
+            },
+            exchange: text("exchange").unwrap_or_default(),
+            routing_keys: match entry.get("routing-keys") {
+                Some(AMQPValue::FieldArray(keys)) => keys
+                    .as_slice()
+                    .iter()
+                    .filter_map(|k| match k {
+                        AMQPValue::LongString(s) => Some(s.to_string()),
+                        AMQPValue::ShortString(s) => Some(s.to_string()),
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
+            },
+        })
+    }
+}
+
+/// The headers of a replayed copy: the original ones without those the
+/// broker owns (RabbitMQ 4 ignores them from publishers, 3.x would count
+/// old deaths), and with the replay counter one higher.
+pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
+    let mut headers = FieldTable::default();
+    let mut replays = 0;
+    if let Some(original) = original {
+        for (key, value) in original.inner() {
+            let name = key.as_str();
+            if name == REPLAY_HEADER {
+                replays = integer(value).unwrap_or(0);
+            } else if !is_broker_owned(name) {
+                headers.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    headers.insert(
+        ShortString::from(REPLAY_HEADER),
+        AMQPValue::LongLongInt(replays + 1),
+    );
+    headers
+}
+
+/// How many times a message was replayed, from its headers.
+pub fn replays(headers: Option<&FieldTable>) -> i64 {
+    headers
+        .and_then(|h| h.inner().get(REPLAY_HEADER))
+        .and_then(integer)
+        .unwrap_or(0)
+}
+
+fn is_broker_owned(name: &str) -> bool {
+    name == "x-death"
+        || name == "x-delivery-count"
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
+}
+
+fn integer(value: &AMQPValue) -> Option<i64> {
+    match value {
+        AMQPValue::LongLongInt(n) => Some(*n),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::FieldArray;
+
+    fn field_array(values: Vec<AMQPValue>) -> FieldArray {
+        values.into()
+    }
+
+    fn dead_lettered_headers() -> FieldTable {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), AMQPValue::LongString("work".into()));
+        death.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+        death.insert("count".into(), AMQPValue::LongLongInt(3));
+        death.insert("time".into(), AMQPValue::Timestamp(1_700_000_000));
+        death.insert("exchange".into(), AMQPValue::LongString("payments".into()));
+        death.insert(
+            "routing-keys".into(),
+            AMQPValue::FieldArray(field_array(vec![AMQPValue::LongString(
+                "payment.succeeded".into(),
+            )])),
+        );
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(field_array(vec![AMQPValue::FieldTable(death)])),
+        );
+        headers.insert(
+            "x-first-death-queue".into(),
+            AMQPValue::LongString("work".into()),
+        );
+        headers.insert(
+            "x-last-death-reason".into(),
+            AMQPValue::LongString("rejected".into()),
+        );
+        headers.insert("x-delivery-count".into(), AMQPValue::LongLongInt(4));
+        headers.insert("trace-id".into(), AMQPValue::LongString("abc".into()));
+        headers
+    }
+
+    #[test]
+    fn the_latest_death_names_queue_reason_and_route() {
+        let headers = dead_lettered_headers();
+        assert_eq!(
+            Death::latest(Some(&headers)),
+            Some(Death {
+                queue: "work".into(),
+                reason: "rejected".into(),
+                count: 3,
+                time: Some(1_700_000_000),
+                exchange: "payments".into(),
+                routing_keys: vec!["payment.succeeded".into()],
+            })
+        );
+        assert_eq!(Death::latest(None), None);
+        assert_eq!(Death::latest(Some(&FieldTable::default())), None);
+    }
+
+    #[test]
+    fn a_replay_drops_broker_headers_keeps_the_rest_and_counts() {
+        let first = replay_headers(Some(&dead_lettered_headers()));
+        let names: Vec<&str> = first.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, vec!["trace-id", REPLAY_HEADER]);
+        assert_eq!(replays(Some(&first)), 1);
+        assert_eq!(replays(Some(&replay_headers(Some(&first)))), 2);
+    }
+}

@@ -1,0 +1,14 @@
+//! Everything RabbitMQ: connecting, the topology, and publishing with
+//! confirms. The consume loop itself is [`crate::worker`].
+
+mod connection;
+pub mod death;
+mod publisher;
+mod topology;
+
+pub use connection::{AmqpConfig, ConnectError, connect, connect_with_retry, patience_backoff};
+pub use publisher::{
+    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, json_properties, publish_all,
+    settle,
+};
+pub use topology::{Topology, TopologyError};

@@ -1,0 +1,216 @@
+//! The exchanges, queues and bindings idem works with, declared the same way
+//! by the worker and described by `rabbit-definitions.json`.
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, ExchangeKind};
+use serde_json::{Value, json};
+
+/// Names and limits of the objects one consumer group needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    /// Topic exchange producers publish to.
+    pub exchange: String,
+    /// Routing key of "payment succeeded" events.
+    pub routing_key: String,
+    /// Quorum work queue of this consumer group.
+    pub queue: String,
+    /// Exchange the work queue dead-letters to.
+    pub dead_letter_exchange: String,
+    /// Classic queue holding dead-lettered messages until they are replayed.
+    pub dead_letter_queue: String,
+    /// The work queue's `x-delivery-limit`: the broker dead-letters a message
+    /// returned more often than this.
+    pub delivery_limit: u32,
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        Self {
+            exchange: "payments".into(),
+            routing_key: "payment.succeeded".into(),
+            queue: "points.payment-succeeded".into(),
+            dead_letter_exchange: "points.dlx".into(),
+            dead_letter_queue: "points.payment-succeeded.dlq".into(),
+            delivery_limit: 4,
+        }
+    }
+}
+
+/// The broker refused a declaration.
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    /// An object exists with other properties or arguments than idem's.
+    #[error(
+        "{object} already exists with other settings than idem's ({broker}); \
+         change idem's settings to match, or delete the {object} and let idem declare it"
+    )]
+    Mismatch {
+        /// Which object, e.g. `queue 'points.payment-succeeded'`.
+        object: String,
+        /// What the broker said.
+        broker: String,
+    },
+    /// Any other failure (the connection dropped, say).
+    #[error("declaring {object} failed: {source}")]
+    Broker {
+        /// Which object.
+        object: String,
+        /// The client's error.
+        source: lapin::Error,
+    },
+}
+
+impl TopologyError {
+    fn from_lapin(object: String, source: lapin::Error) -> Self {
+        use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+        match source.kind() {
+            lapin::ErrorKind::ProtocolError(amqp)
+                if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED) =>
+            {
+                TopologyError::Mismatch {
+                    object,
+                    broker: amqp.get_message().to_string(),
+                }
+            }
+            _ => TopologyError::Broker { object, source },
+        }
+    }
+}
+
+impl Topology {
+    /// The same objects under names that start with `prefix` (tests, demo).
+    pub fn prefixed(prefix: &str) -> Self {
+        let names = Self::default();
+        Self {
+            exchange: format!("{prefix}{}", names.exchange),
+            routing_key: names.routing_key,
+            queue: format!("{prefix}{}", names.queue),
+            dead_letter_exchange: format!("{prefix}{}", names.dead_letter_exchange),
+            dead_letter_queue: format!("{prefix}{}", names.dead_letter_queue),
+            delivery_limit: names.delivery_limit,
+        }
+    }
+
+    /// Arguments of the work queue.
+    ///
+    /// Dead-lettering is `at-least-once` (the quorum queue keeps a message
+    /// until the dead-letter queue has it), which RabbitMQ allows only with
+    /// `x-overflow: reject-publish`.
+    fn work_queue_arguments(&self) -> Vec<(&'static str, Value)> {
+        vec![
+            ("x-queue-type", json!("quorum")),
+            ("x-dead-letter-exchange", json!(self.dead_letter_exchange)),
+            ("x-dead-letter-routing-key", json!(self.queue)),
+            ("x-dead-letter-strategy", json!("at-least-once")),
+            ("x-overflow", json!("reject-publish")),
+            ("x-delivery-limit", json!(self.delivery_limit)),
+        ]
+    }
+
+    /// Arguments of the dead-letter queue: a classic queue, because browsing
+    /// a quorum queue (get, then return) counts as deliveries.
+    fn dead_letter_queue_arguments() -> Vec<(&'static str, Value)> {
+        vec![("x-queue-type", json!("classic"))]
+    }
+
+    /// Declares everything; idempotent. A queue that exists with other
+    /// arguments is reported as [`TopologyError::Mismatch`].
+    pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        for (name, kind) in [
+            (&self.exchange, ExchangeKind::Topic),
+            (&self.dead_letter_exchange, ExchangeKind::Direct),
+        ] {
+            channel
+                .exchange_declare(name.as_str().into(), kind, durable, FieldTable::default())
+                .await
+                .map_err(|e| TopologyError::from_lapin(format!("exchange '{name}'"), e))?;
+        }
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        for (name, arguments) in [
+            (&self.queue, self.work_queue_arguments()),
+            (&self.dead_letter_queue, Self::dead_letter_queue_arguments()),
+        ] {
+            channel
+                .queue_declare(name.as_str().into(), durable, field_table(&arguments))
+                .await
+                .map_err(|e| TopologyError::from_lapin(format!("queue '{name}'"), e))?;
+        }
+        for (queue, exchange, key) in self.bindings() {
+            channel
+                .queue_bind(
+                    queue.into(),
+                    exchange.into(),
+                    key.into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| TopologyError::from_lapin(format!("binding of '{queue}'"), e))?;
+        }
+        Ok(())
+    }
+
+    /// (queue, exchange, routing key) of each binding.
+    fn bindings(&self) -> [(&str, &str, &str); 2] {
+        [
+            (&self.queue, &self.exchange, &self.routing_key),
+            (
+                &self.dead_letter_queue,
+                &self.dead_letter_exchange,
+                &self.queue,
+            ),
+        ]
+    }
+
+    /// The exchanges, queues and bindings of this topology in RabbitMQ's
+    /// definitions format, in `vhost`: what `rabbit-definitions.json` holds.
+    pub fn definitions(&self, vhost: &str) -> Value {
+        let exchange = |name: &str, kind: &str| {
+            json!({"name": name, "vhost": vhost, "type": kind, "durable": true,
+                   "auto_delete": false, "internal": false, "arguments": {}})
+        };
+        let queue = |name: &str, arguments: Vec<(&str, Value)>| {
+            json!({"name": name, "vhost": vhost, "durable": true, "auto_delete": false,
+                   "arguments": arguments.into_iter().map(|(k, v)| (k.to_owned(), v))
+                        .collect::<serde_json::Map<_, _>>()})
+        };
+        let bindings: Vec<Value> = self
+            .bindings()
+            .iter()
+            .map(|(queue, exchange, key)| {
+                json!({"source": exchange, "vhost": vhost, "destination": queue,
+                       "destination_type": "queue", "routing_key": key, "arguments": {}})
+            })
+            .collect();
+        json!({
+            "exchanges": [exchange(&self.exchange, "topic"), exchange(&self.dead_letter_exchange, "direct")],
+            "queues": [
+                queue(&self.queue, self.work_queue_arguments()),
+                queue(&self.dead_letter_queue, Self::dead_letter_queue_arguments()),
+            ],
+            "bindings": bindings,
+        })
+    }
+}
+
+fn field_table(arguments: &[(&str, Value)]) -> FieldTable {
+    let mut table = FieldTable::default();
+    for (key, value) in arguments {
+        let value = match value {
+            Value::String(text) => AMQPValue::LongString(text.as_str().into()),
+            Value::Number(n) => AMQPValue::LongLongInt(n.as_i64().unwrap_or_default()),
+            Value::Bool(b) => AMQPValue::Boolean(*b),
+            other => AMQPValue::LongString(other.to_string().into()),
+        };
+        table.insert((*key).into(), value);
+    }
+    table
+}

@@ -1,0 +1,244 @@
+//! `idem demo`: the whole story on local services in one command, on data
+//! of its own (schema `idem_demo`, queues and exchanges named `idem-demo.*`,
+//! consumer group `idem-demo`), reset at each run.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{
+    AmqpConfig, Outgoing, PublishOptions, Topology, connect, json_properties, publish_all,
+};
+use crate::event::PaymentSucceeded;
+use crate::store::{DatabaseConfig, migrate};
+use crate::worker::{Snapshot, Worker, WorkerConfig};
+
+/// The demo's schema.
+pub const SCHEMA: &str = "idem_demo";
+/// The demo's consumer group.
+pub const CONSUMER_GROUP: &str = "idem-demo";
+/// Prefix of the demo's queues and exchanges.
+pub const PREFIX: &str = "idem-demo.";
+
+/// What the demo saw.
+#[derive(Debug)]
+pub struct DemoReport {
+    /// Messages published, duplicates and the invalid one included.
+    pub published: usize,
+    /// Distinct events among them.
+    pub events: usize,
+    /// The worker's counters once it drained the queue.
+    pub worker: Snapshot,
+    /// Points per order afterwards.
+    pub points: BTreeMap<String, i64>,
+    /// Rows in `mq_consume_record`.
+    pub consume_records: i64,
+    /// Messages in the dead-letter queue.
+    pub dead_letter_queue: (String, u32),
+}
+
+/// The sample: three orders, producer retries, and one message that breaks
+/// the contract.
+fn sample() -> Vec<Vec<u8>> {
+    let event = |id: &str, order: &str, points: i64| {
+        PaymentSucceeded {
+            event_id: id.into(),
+            order_id: order.into(),
+            points,
+        }
+        .to_body()
+    };
+    vec![
+        event("payment-success-10001", "10001", 100),
+        event("payment-success-10002-a", "10002", 50),
+        event("payment-success-10001", "10001", 100),
+        event("payment-success-10003", "10003", 40),
+        event("payment-success-10002-b", "10002", 25),
+        event("payment-success-10001", "10001", 100),
+        br#"{"eventId": "payment-success-10004", "orderId": "10004", "points": -5}"#.to_vec(),
+        event("payment-success-10003", "10003", 40),
+        event("payment-success-10002-a", "10002", 50),
+    ]
+}
+
+/// Runs the demo against `amqp` and `database` (whose schema is replaced by
+/// the demo's own).
+pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<DemoReport> {
+    let database = DatabaseConfig {
+        schema: Some(SCHEMA.into()),
+        ..database
+    };
+    let topology = Topology::prefixed(PREFIX);
+    let pool = database.pool()?;
+    let client = pool.get().await.context("cannot reach PostgreSQL")?;
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        .await
+        .context("cannot reset the demo schema")?;
+    drop(client);
+    migrate::run(&pool, Some(SCHEMA))
+        .await
+        .context("migrating the demo schema")?;
+    reset_topology(&amqp, &topology).await?;
+
+    let bodies = sample();
+    let messages: Vec<Outgoing> = bodies
+        .iter()
+        .map(|body| Outgoing {
+            exchange: topology.exchange.clone(),
+            routing_key: topology.routing_key.clone(),
+            body: body.clone(),
+            properties: json_properties(),
+        })
+        .collect();
+    let events = bodies
+        .iter()
+        .filter_map(|b| PaymentSucceeded::parse(b, usize::MAX).ok())
+        .map(|e| e.event_id)
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    let options = PublishOptions {
+        window: 64,
+        patience: Duration::from_secs(5),
+    };
+    let never = CancellationToken::new();
+    let report = publish_all(&amqp, &messages, &options, &never).await?;
+    if !report.all_confirmed() {
+        bail!("the broker did not confirm every demo message: {report:?}");
+    }
+
+    let worker = Worker::new(WorkerConfig {
+        amqp: amqp.clone(),
+        database: database.clone(),
+        topology: topology.clone(),
+        consumer_group: CONSUMER_GROUP.into(),
+        prefetch: 50,
+        batch_size: 1,
+        batch_wait: Duration::ZERO,
+        max_in_flight: 4,
+        max_body_bytes: 64 * 1024,
+        shutdown_timeout: Duration::from_secs(10),
+        startup_timeout: Duration::from_secs(5),
+    });
+    let stats = worker.stats();
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(worker.run(shutdown.clone()));
+    let drained = wait_until(Duration::from_secs(30), || {
+        stats.snapshot().finished() >= messages.len() as u64
+    })
+    .await;
+    shutdown.cancel();
+    running.await.context("the worker panicked")??;
+    if !drained {
+        bail!(
+            "the worker did not finish the demo's {} messages within 30 s: {:?}",
+            messages.len(),
+            stats.snapshot()
+        );
+    }
+
+    let client = pool.get().await?;
+    let points = client
+        .query(
+            "SELECT order_id, points FROM user_points ORDER BY order_id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect::<Result<_, tokio_postgres::Error>>()?;
+    let consume_records: i64 = client
+        .query_one("SELECT count(*) FROM mq_consume_record", &[])
+        .await?
+        .try_get(0)?;
+    let connection = connect(&amqp, "idem demo").await?;
+    let channel = connection.create_channel().await?;
+    let dlq = channel
+        .queue_declare(
+            topology.dead_letter_queue.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = channel.close(200, "OK".into()).await;
+    let _ = connection.close(200, "OK".into()).await;
+    Ok(DemoReport {
+        published: messages.len(),
+        events,
+        worker: stats.snapshot(),
+        points,
+        consume_records,
+        dead_letter_queue: (topology.dead_letter_queue, dlq.message_count()),
+    })
+}
+
+/// Deletes the demo's queues and exchanges, so each run starts empty.
+async fn reset_topology(amqp: &AmqpConfig, topology: &Topology) -> anyhow::Result<()> {
+    let connection = connect(amqp, "idem demo").await?;
+    let channel = connection.create_channel().await?;
+    for queue in [&topology.queue, &topology.dead_letter_queue] {
+        channel
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .with_context(|| format!("cannot delete the demo queue {queue}"))?;
+    }
+    for exchange in [&topology.exchange, &topology.dead_letter_exchange] {
+        channel
+            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
+    }
+    topology.declare(&channel).await?;
+    let _ = channel.close(200, "OK".into()).await;
+    let _ = connection.close(200, "OK".into()).await;
+    Ok(())
+}
+
+async fn wait_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !done() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    true
+}
+
+impl fmt::Display for DemoReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let w = &self.worker;
+        writeln!(f, "idem demo")?;
+        writeln!(
+            f,
+            "  published            {} messages ({} distinct events, producer retries, 1 invalid message)",
+            self.published, self.events
+        )?;
+        writeln!(f, "  applied              {}", w.applied)?;
+        writeln!(f, "  duplicates skipped   {}", w.duplicates)?;
+        writeln!(
+            f,
+            "  dead-lettered        {} (invalid: {})",
+            w.invalid, w.invalid
+        )?;
+        writeln!(f, "  consume records      {}", self.consume_records)?;
+        writeln!(f, "  points per order")?;
+        for (order, points) in &self.points {
+            writeln!(f, "    {order:<8} {points}")?;
+        }
+        let (queue, count) = &self.dead_letter_queue;
+        writeln!(f, "  dead-letter queue    {queue}: {count} message(s)")?;
+        write!(
+            f,
+            "  look closer: idem --schema {SCHEMA} --consumer-group {CONSUMER_GROUP} --dead-letter-queue {queue} requeue --dry-run"
+        )
+    }
+}

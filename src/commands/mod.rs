@@ -1,0 +1,6 @@
+//! One module per subcommand that is more than a call into the library.
+//! Each takes typed settings and returns a report for `main` to print.
+
+pub mod demo;
+pub mod publish;
+pub mod requeue;

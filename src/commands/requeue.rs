@@ -1,0 +1,347 @@
+//! `idem requeue`: replay dead-lettered messages to the queue each died in.
+//!
+//! A dead-letter copy is acked only after its replay is confirmed, so an
+//! interruption at any moment loses nothing: at worst a message is both
+//! replayed and still in the dead-letter queue, and the consumer's
+//! deduplication absorbs the second copy.
+
+use std::fmt;
+use std::time::Duration;
+
+use lapin::Channel;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use lapin::types::DeliveryTag;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::broker::death::{Death, replay_headers, replays};
+use crate::broker::{AmqpConfig, ConfirmChannel, ConnectError, Outgoing, connect_with_retry};
+use crate::event::PaymentSucceeded;
+
+/// What to replay.
+#[derive(Debug, Clone)]
+pub struct RequeueConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// The dead-letter queue to empty.
+    pub dead_letter_queue: String,
+    /// Replay at most this many messages.
+    pub limit: Option<usize>,
+    /// List what would be replayed; move nothing.
+    pub dry_run: bool,
+    /// How long to keep trying to (re)connect.
+    pub patience: Duration,
+}
+
+/// One dead-lettered message, as an operator needs to see it.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// The event id, or why the body has none.
+    pub event_id: String,
+    /// Its latest death, if the broker recorded one.
+    pub death: Option<Death>,
+    /// How many times it was replayed before.
+    pub replays: i64,
+}
+
+/// What `idem requeue` did.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The queue.
+    pub queue: String,
+    /// True for `--dry-run`: `listed` is filled, nothing moved.
+    pub dry_run: bool,
+    /// Messages seen in a dry run.
+    pub listed: Vec<Entry>,
+    /// Messages replayed and removed from the dead-letter queue.
+    pub replayed: Vec<Entry>,
+    /// Messages that could not be replayed, and why; they stay.
+    pub failed: Vec<(Entry, String)>,
+}
+
+impl Report {
+    /// True when everything that was attempted was replayed.
+    pub fn succeeded(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+/// Replays (or, in a dry run, lists) the messages that are in the
+/// dead-letter queue when it starts, up to the limit.
+pub async fn run(
+    config: &RequeueConfig,
+    shutdown: &CancellationToken,
+) -> Result<Report, ConnectError> {
+    let mut report = Report {
+        queue: config.dead_letter_queue.clone(),
+        dry_run: config.dry_run,
+        ..Report::default()
+    };
+    // Messages in the queue at the start; those dead-lettered while we run
+    // (a replay that fails again, say) are left for the next run.
+    let mut remaining: Option<usize> = config.limit;
+    loop {
+        let connection =
+            connect_with_retry(&config.amqp, "idem requeue", config.patience, shutdown).await?;
+        let pass = Pass {
+            config,
+            remaining: &mut remaining,
+            report: &mut report,
+            held: Vec::new(),
+        };
+        let result = pass.run(&connection, shutdown).await;
+        let _ = connection.close(200, "OK".into()).await;
+        match result {
+            Ok(()) => return Ok(report),
+            Err(error) if shutdown.is_cancelled() => {
+                warn!(%error, "interrupted");
+                return Ok(report);
+            }
+            Err(error) => {
+                warn!(%error, "connection to RabbitMQ lost while replaying; reconnecting (unacked copies are back in the dead-letter queue)");
+            }
+        }
+    }
+}
+
+/// One connection's worth of work.
+struct Pass<'a> {
+    config: &'a RequeueConfig,
+    /// How many more messages may be taken; `None` until the queue's length is known.
+    remaining: &'a mut Option<usize>,
+    report: &'a mut Report,
+    /// Tags of messages taken but left in the queue (failed, or listed).
+    held: Vec<DeliveryTag>,
+}
+
+impl Pass<'_> {
+    async fn run(
+        mut self,
+        connection: &lapin::Connection,
+        shutdown: &CancellationToken,
+    ) -> lapin::Result<()> {
+        let getter = connection.create_channel().await?;
+        let publisher = ConfirmChannel::open(connection).await?;
+        // Failures from an earlier pass are back in the queue and are tried again.
+        if let Some(remaining) = self.remaining.as_mut() {
+            *remaining += self.report.failed.len() + self.report.listed.len();
+        }
+        self.report.failed.clear();
+        self.report.listed.clear();
+        while *self.remaining != Some(0) && !shutdown.is_cancelled() {
+            let Some(message) = getter
+                .basic_get(
+                    self.config.dead_letter_queue.as_str().into(),
+                    BasicGetOptions { no_ack: false },
+                )
+                .await?
+            else {
+                break;
+            };
+            let in_queue = message.message_count as usize + 1;
+            let remaining = self.remaining.get_or_insert(in_queue);
+            *remaining = (*remaining).min(in_queue) - 1;
+            if let Err(error) = self.handle(&getter, &publisher, message.delivery).await {
+                // Not settled: the message is back in the queue for the next pass.
+                if let Some(remaining) = self.remaining.as_mut() {
+                    *remaining += 1;
+                }
+                return Err(error);
+            }
+        }
+        if let Some(&last) = self.held.iter().max() {
+            // Give back, in their places, what was listed or could not be replayed.
+            getter
+                .basic_nack(
+                    last,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        let _ = getter.close(200, "OK".into()).await;
+        let _ = publisher.channel().close(200, "OK".into()).await;
+        Ok(())
+    }
+
+    async fn handle(
+        &mut self,
+        getter: &Channel,
+        publisher: &ConfirmChannel,
+        delivery: Delivery,
+    ) -> lapin::Result<()> {
+        let entry = Entry::of(&delivery);
+        let tag = delivery.delivery_tag;
+        if self.config.dry_run {
+            self.report.listed.push(entry);
+            self.held.push(tag);
+            return Ok(());
+        }
+        let Some(death) = &entry.death else {
+            self.report.failed.push((
+                entry,
+                "no x-death header: cannot tell which queue it died in".into(),
+            ));
+            self.held.push(tag);
+            return Ok(());
+        };
+        let properties = delivery
+            .properties
+            .clone()
+            .with_headers(replay_headers(delivery.properties.headers().as_ref()));
+        let replay = Outgoing {
+            // The default exchange routes by queue name: the replay goes to
+            // the queue it died in, not to every queue bound for the event.
+            exchange: String::new(),
+            routing_key: death.queue.clone(),
+            body: delivery.data,
+            properties,
+        };
+        match publisher.publish(&replay).await? {
+            Ok(()) => {
+                getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                self.report.replayed.push(entry);
+            }
+            Err(refusal) => {
+                let why = format!("replay to queue '{}' {refusal}", death.queue);
+                self.report.failed.push((entry, why));
+                self.held.push(tag);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Entry {
+    fn of(delivery: &Delivery) -> Self {
+        let headers = delivery.properties.headers().as_ref();
+        Self {
+            event_id: event_id(&delivery.data),
+            death: Death::latest(headers),
+            replays: replays(headers),
+        }
+    }
+}
+
+/// The event id of a body, or what is wrong with it.
+fn event_id(body: &[u8]) -> String {
+    match PaymentSucceeded::parse(body, usize::MAX) {
+        Ok(event) => event.event_id,
+        Err(invalid) => {
+            let loose = serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| v.get("eventId")?.as_str().map(str::to_owned));
+            match loose {
+                Some(id) => format!("{id} (invalid: {invalid})"),
+                None => format!("(invalid: {invalid})"),
+            }
+        }
+    }
+}
+
+impl fmt::Display for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.event_id)?;
+        match &self.death {
+            Some(death) => {
+                write!(
+                    f,
+                    "  queue={} reason={} count={}",
+                    death.queue, death.reason, death.count
+                )?;
+                if let Some(time) = death.time {
+                    write!(f, " at={}", rfc3339(time))?;
+                }
+            }
+            None => write!(f, "  (no x-death header)")?,
+        }
+        if self.replays > 0 {
+            write!(f, " replays={}", self.replays)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.dry_run {
+            write!(
+                f,
+                "{} dead-lettered message(s) in {} (dry run: nothing moved)",
+                self.listed.len(),
+                self.queue
+            )?;
+            for entry in &self.listed {
+                write!(f, "\n  {entry}")?;
+            }
+            return Ok(());
+        }
+        write!(
+            f,
+            "replayed {} message(s) from {}",
+            self.replayed.len(),
+            self.queue
+        )?;
+        if !self.failed.is_empty() {
+            write!(
+                f,
+                "; {} could not be replayed and stay there",
+                self.failed.len()
+            )?;
+            for (entry, why) in &self.failed {
+                write!(f, "\n  {entry}: {why}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `1700000000` → `2023-11-14T22:13:20Z`.
+fn rfc3339(seconds: u64) -> String {
+    let days = (seconds / 86_400) as i64;
+    let rest = seconds % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_print_as_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn an_invalid_body_still_shows_its_event_id_when_it_has_one() {
+        assert_eq!(
+            event_id(br#"{"eventId":"e-1","orderId":"o","points":2}"#),
+            "e-1"
+        );
+        assert!(
+            event_id(br#"{"eventId":"e-2","orderId":"o","points":-1}"#)
+                .starts_with("e-2 (invalid: ")
+        );
+        assert!(event_id(b"garbage").starts_with("(invalid: "));
+    }
+}

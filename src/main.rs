@@ -1,0 +1,138 @@
+//! The `idem` binary: parse flags, set up logging and signals, run one
+//! subcommand, turn its outcome into an exit code.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Parser;
+use clap::error::ErrorKind;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, warn};
+
+use idem::cli::{Cli, Command};
+use idem::commands::{demo, publish, requeue};
+use idem::store::migrate;
+use idem::telemetry;
+use idem::worker::Worker;
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            e.exit()
+        }
+        Err(e) => {
+            // clap explains at length; one line names what is wrong.
+            let rendered = e.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            eprintln!(
+                "idem: {} (see idem --help)",
+                first.trim_start_matches("error: ")
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let default_filter = match cli.command {
+        Command::Demo => "warn,lapin=error",
+        _ => "info,lapin=warn",
+    };
+    telemetry::init(default_filter, cli.log_format);
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("idem: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        if let Err(e) = watch_signals(shutdown.clone()) {
+            eprintln!("idem: cannot install signal handlers: {e}");
+            return ExitCode::FAILURE;
+        }
+        match run(cli, shutdown).await {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("idem: {}", one_line(&e));
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> {
+    match &cli.command {
+        Command::Migrate => {
+            let database = cli.database(1);
+            let pool = database.pool()?;
+            let applied = migrate::run(&pool, database.schema.as_deref())
+                .await
+                .with_context(|| format!("migrating {}", database.url))?;
+            match applied.as_slice() {
+                [] => println!("migrations: up to date"),
+                names => println!("migrations: applied {}", names.join(", ")),
+            }
+        }
+        Command::Worker(args) => {
+            Worker::new(cli.worker(args)?).run(shutdown).await?;
+        }
+        Command::Publish(args) => {
+            let (config, source) = cli.publish(args)?;
+            let summary = publish::run(&config, source, &shutdown).await?;
+            println!("{summary}");
+            if !summary.report.all_confirmed() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Requeue(args) => {
+            let report = requeue::run(&cli.requeue(args), &shutdown).await?;
+            println!("{report}");
+            if !report.succeeded() {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        Command::Demo => {
+            let report = demo::run(cli.amqp(), cli.database(4)).await?;
+            println!("{report}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The error and its causes on one line, without the repetition that comes
+/// from libraries whose messages already quote their cause.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line.replace('\n', " ")
+}
+
+/// SIGINT or SIGTERM cancels `shutdown`; a second one exits at once.
+fn watch_signals(shutdown: CancellationToken) -> std::io::Result<()> {
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        warn!("shutdown signal received; a second one exits at once");
+        shutdown.cancel();
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        error!("second signal: exiting now; unacked deliveries will be redelivered");
+        std::process::exit(130);
+    });
+    Ok(())
+}

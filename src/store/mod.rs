@@ -1,0 +1,172 @@
+//! Everything PostgreSQL: the pool, the migrations, and the one transaction
+//! that claims events and applies their effect.
+//!
+//! The consume loop calls [`Store::apply`] and never sees SQL.
+
+mod claim;
+mod failure;
+pub mod migrate;
+mod points;
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
+use tokio_postgres::NoTls;
+
+pub use failure::{FailureKind, StoreError, classify_sqlstate};
+
+use crate::event::PaymentSucceeded;
+use crate::secret::SecretUrl;
+
+/// Where the database is and how to use it.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    /// Connection string (URL or key/value); may carry a password.
+    pub url: SecretUrl,
+    /// Schema the tables live in; `None` keeps the server's `search_path`.
+    pub schema: Option<String>,
+    /// Most connections held at once.
+    pub pool_size: usize,
+    /// How long to wait for a new connection, or for a free one in the pool.
+    pub connect_timeout: Duration,
+}
+
+/// The configuration is unusable: it will not get better by retrying.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The connection string does not parse.
+    #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
+    Url(String),
+    /// The schema name is not a plain identifier.
+    #[error(
+        "schema `{0}` is not a plain identifier (letters, digits, _; not starting with a digit)"
+    )]
+    Schema(String),
+}
+
+impl DatabaseConfig {
+    /// A pool for this database; connects lazily.
+    pub fn pool(&self) -> Result<Pool, ConfigError> {
+        let mut pg: tokio_postgres::Config = self
+            .url
+            .expose()
+            .parse()
+            .map_err(|e: tokio_postgres::Error| ConfigError::Url(e.to_string()))?;
+        if let Some(schema) = &self.schema {
+            if !is_identifier(schema) {
+                return Err(ConfigError::Schema(schema.clone()));
+            }
+            pg.options(format!("-c search_path={schema}"));
+        }
+        if pg.get_application_name().is_none() {
+            pg.application_name("idem");
+        }
+        pg.connect_timeout(self.connect_timeout);
+        let manager = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let timeouts = Timeouts {
+            wait: Some(self.connect_timeout),
+            create: Some(self.connect_timeout),
+            recycle: Some(self.connect_timeout),
+        };
+        Pool::builder(manager)
+            .max_size(self.pool_size)
+            .timeouts(timeouts)
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(|e| ConfigError::Url(e.to_string()))
+    }
+}
+
+/// A plain SQL identifier that needs no quoting.
+pub fn is_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && name.len() <= 63
+}
+
+/// The events of one transaction that this delivery owns (the others were
+/// applied before, by this consumer group).
+#[derive(Debug, Default)]
+pub struct Claimed(HashSet<String>);
+
+impl Claimed {
+    /// True the first time it is asked about an event that went in:
+    /// a second copy of the same event in the same batch is a duplicate.
+    pub fn take(&mut self, event_id: &str) -> bool {
+        self.0.remove(event_id)
+    }
+}
+
+/// The consume records and the points of one consumer group.
+#[derive(Clone)]
+pub struct Store {
+    /// Shared by every in-flight transaction of the worker.
+    pool: Pool,
+    /// Part of the consume record's key: each group applies an event once.
+    consumer_group: String,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("consumer_group", &self.consumer_group)
+            .field("pool", &self.pool.status())
+            .finish()
+    }
+}
+
+impl Store {
+    /// A store for `consumer_group` over `pool`.
+    pub fn new(pool: Pool, consumer_group: impl Into<String>) -> Self {
+        Self {
+            pool,
+            consumer_group: consumer_group.into(),
+        }
+    }
+
+    /// The consumer group whose records this store keeps.
+    pub fn consumer_group(&self) -> &str {
+        &self.consumer_group
+    }
+
+    /// Checks that a connection can be had and answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let client = self.pool.get().await?;
+        client.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    /// In one transaction: records each distinct event of `events` for this
+    /// consumer group, and adds the points of those that went in (the
+    /// others were applied before). Returns the events that went in.
+    ///
+    /// On error nothing is applied: the records roll back with the points.
+    pub async fn apply(&self, events: &[&PaymentSucceeded]) -> Result<Claimed, StoreError> {
+        // Distinct, and in one order, so concurrent transactions take the
+        // unique index's locks in the same order and cannot deadlock.
+        let mut distinct: BTreeMap<&str, &PaymentSucceeded> = BTreeMap::new();
+        for event in events {
+            distinct.entry(event.event_id.as_str()).or_insert(event);
+        }
+        let event_ids: Vec<&str> = distinct.keys().copied().collect();
+
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let claimed = claim::insert(&tx, &event_ids, &self.consumer_group).await?;
+        let applied: Vec<&PaymentSucceeded> = claimed
+            .iter()
+            .filter_map(|id| distinct.get(id.as_str()).copied())
+            .collect();
+        points::add(&tx, &applied).await?;
+        tx.commit().await?;
+        Ok(Claimed(claimed.into_iter().collect()))
+    }
+}

@@ -1,0 +1,33 @@
+//! Logging: one subscriber, to standard error, filtered by `RUST_LOG` when
+//! it is set.
+
+use std::io::IsTerminal;
+
+use tracing_subscriber::EnvFilter;
+
+/// How log lines look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line, for log shippers.
+    Json,
+}
+
+/// Installs the global subscriber. `default_filter` applies unless `RUST_LOG`
+/// is set (e.g. `RUST_LOG=idem=debug`).
+pub fn init(default_filter: &str, format: LogFormat) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false);
+    // A second call (tests) keeps the first subscriber.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}

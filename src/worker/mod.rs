@@ -1,0 +1,284 @@
+//! The consume loop: take deliveries in batches, apply each batch in one
+//! transaction on a pooled connection, settle with the broker after commit,
+//! and shut down cleanly when told to.
+//!
+//! It knows no SQL (that is [`crate::store`]) and makes no ack decision of
+//! its own (that is [`process`]).
+
+mod health;
+mod intake;
+mod process;
+mod settle;
+mod stats;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span, warn};
+
+pub use stats::{Snapshot, Stats};
+
+use crate::broker::{AmqpConfig, ConnectError, Topology, TopologyError, connect_with_retry};
+use crate::store::{DatabaseConfig, Store};
+use health::DatabaseHealth;
+use intake::Intake;
+use process::Processor;
+use settle::Settler;
+
+/// Everything the worker needs to know.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// The database.
+    pub database: DatabaseConfig,
+    /// What to declare and consume from.
+    pub topology: Topology,
+    /// Whose consume records these are; an event is applied once per group.
+    pub consumer_group: String,
+    /// Most unacknowledged deliveries the broker sends this worker.
+    pub prefetch: u16,
+    /// Most deliveries applied in one transaction; 1 is per-message mode.
+    pub batch_size: usize,
+    /// How long a batch waits for more deliveries after its first.
+    pub batch_wait: Duration,
+    /// Most batches being applied at once.
+    pub max_in_flight: usize,
+    /// Bodies above this many bytes are invalid.
+    pub max_body_bytes: usize,
+    /// After a shutdown signal, how long in-flight work may take before the
+    /// worker closes anyway (the broker then redelivers what was not acked).
+    pub shutdown_timeout: Duration,
+    /// How long to wait for the broker at start-up and after a connection loss.
+    pub startup_timeout: Duration,
+}
+
+/// Why the worker stopped other than by being asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The database configuration is unusable.
+    #[error(transparent)]
+    Config(#[from] crate::store::ConfigError),
+    /// The broker refused us, or stayed unreachable past the start-up timeout.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The broker holds objects that disagree with idem's settings.
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
+}
+
+/// A worker: build it, keep its [`Stats`] if you want them, then [`run`](Worker::run) it.
+#[derive(Debug)]
+pub struct Worker {
+    config: WorkerConfig,
+    stats: Arc<Stats>,
+}
+
+/// How one connection's consumption ended.
+enum SessionEnd {
+    /// Shutdown: the consumer was cancelled and everything it took is settled.
+    Drained,
+    /// The connection or channel failed, or the broker cancelled the
+    /// consumer; what was not acked comes back.
+    Lost(String),
+}
+
+impl Worker {
+    /// A worker with fresh counters.
+    pub fn new(config: WorkerConfig) -> Self {
+        Self {
+            config,
+            stats: Arc::default(),
+        }
+    }
+
+    /// The worker's counters, live.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// Consumes until `shutdown` fires, then stops taking deliveries, lets
+    /// in-flight ones finish and be acked (for at most the shutdown
+    /// timeout), closes the channel and the connection, and returns `Ok`.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        let pool = self.config.database.pool()?;
+        let processor = Arc::new(Processor {
+            store: Store::new(pool, self.config.consumer_group.clone()),
+            max_body_bytes: self.config.max_body_bytes,
+            health: DatabaseHealth::new(),
+            stats: Arc::clone(&self.stats),
+            max_hold_backoff: Duration::from_secs(5),
+        });
+        loop {
+            let connection = match connect_with_retry(
+                &self.config.amqp,
+                "idem worker",
+                self.config.startup_timeout,
+                &shutdown,
+            )
+            .await
+            {
+                Ok(connection) => connection,
+                Err(ConnectError::Interrupted) => return Ok(()),
+                Err(error) => return Err(error.into()),
+            };
+            let channel = match open_channel(&connection, &self.config).await {
+                Ok(channel) => channel,
+                Err(OpenError::Topology(error @ TopologyError::Mismatch { .. })) => {
+                    let _ = connection.close(200, "OK".into()).await;
+                    return Err(error.into());
+                }
+                Err(error) => {
+                    warn!(%error, "could not set up consuming: reconnecting");
+                    self.stats.reconnects(1);
+                    continue;
+                }
+            };
+            let deadline = async {
+                shutdown.cancelled().await;
+                tokio::time::sleep(self.config.shutdown_timeout).await;
+            };
+            let end = tokio::select! {
+                end = self.consume(&channel, &processor, &shutdown) => end,
+                () = deadline => {
+                    warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
+                    SessionEnd::Drained
+                }
+            };
+            match end {
+                SessionEnd::Drained => {
+                    let _ = channel.close(200, "OK".into()).await;
+                    let _ = connection.close(200, "OK".into()).await;
+                    info!("worker stopped");
+                    return Ok(());
+                }
+                SessionEnd::Lost(reason) => {
+                    warn!(%reason, "connection to RabbitMQ lost: reconnecting");
+                    self.stats.reconnects(1);
+                }
+            }
+        }
+    }
+
+    /// Consumes and settles on one channel until it fails, or until
+    /// shutdown cancels the consumer and everything taken is settled.
+    async fn consume(
+        &self,
+        channel: &Channel,
+        processor: &Arc<Processor>,
+        shutdown: &CancellationToken,
+    ) -> SessionEnd {
+        let config = &self.config;
+        let consumer = match channel
+            .basic_consume(
+                config.topology.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(consumer) => consumer,
+            Err(error) => return SessionEnd::Lost(error.to_string()),
+        };
+        info!(
+            queue = %config.topology.queue,
+            consumer_group = %config.consumer_group,
+            prefetch = config.prefetch,
+            batch_size = config.batch_size,
+            "consuming"
+        );
+        let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
+        let (settler, settled) = Settler::spawn(channel.clone());
+        let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+        let mut in_flight = JoinSet::new();
+        let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
+        let end = loop {
+            let batch = match intake.next_batch().await {
+                Ok(Some(batch)) => batch,
+                Ok(None) if shutdown.is_cancelled() => break SessionEnd::Drained,
+                // The broker cancelled us (the queue was deleted, say): start over.
+                Ok(None) => break SessionEnd::Lost("the broker cancelled the consumer".into()),
+                Err(error) => break SessionEnd::Lost(error.to_string()),
+            };
+            processor.health.wait_up().await;
+            let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+                unreachable!("the semaphore is never closed");
+            };
+            settler.track(batch.iter().map(|d| d.delivery_tag).collect());
+            let span = info_span!(
+                "batch",
+                delivery.first_tag = batch[0].delivery_tag,
+                batch.size = batch.len()
+            );
+            let (processor, settler) = (Arc::clone(processor), settler.clone());
+            in_flight.spawn(
+                async move {
+                    settler.settle(processor.process(batch).await);
+                    drop(permit);
+                }
+                .instrument(span),
+            );
+            while in_flight.try_join_next().is_some() {}
+        };
+        canceller.abort();
+        if let SessionEnd::Drained = end {
+            while in_flight.join_next().await.is_some() {}
+            drop(settler);
+            let _ = settled.await;
+        }
+        end
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum OpenError {
+    #[error(transparent)]
+    Topology(TopologyError),
+    #[error(transparent)]
+    Broker(lapin::Error),
+}
+
+/// A channel with the topology declared and the prefetch set.
+async fn open_channel(
+    connection: &Connection,
+    config: &WorkerConfig,
+) -> Result<Channel, OpenError> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(OpenError::Broker)?;
+    config
+        .topology
+        .declare(&channel)
+        .await
+        .map_err(OpenError::Topology)?;
+    channel
+        .basic_qos(config.prefetch, BasicQosOptions::default())
+        .await
+        .map_err(OpenError::Broker)?;
+    Ok(channel)
+}
+
+/// Cancels the consumer once `shutdown` fires: the broker stops sending, and
+/// the consumer's stream ends after what it already buffered.
+async fn cancel_on(
+    shutdown: CancellationToken,
+    channel: Channel,
+    consumer_tag: lapin::types::ShortString,
+) {
+    shutdown.cancelled().await;
+    info!("shutdown requested: no new deliveries; finishing those in flight");
+    if let Err(error) = channel
+        .basic_cancel(consumer_tag, BasicCancelOptions::default())
+        .await
+    {
+        warn!(%error, "could not cancel the consumer");
+    }
+}
