@@ -1,0 +1,248 @@
+//! The `idem` binary as users run it: exit codes, one-line errors, signals.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::process::Command;
+
+use idem::event::PaymentSucceeded;
+use idem::store::migrate;
+
+use crate::helpers::{AMQP_URL, DATABASE_URL, GROUP, TestEnv, wait_for};
+
+const IDEM: &str = env!("CARGO_BIN_EXE_idem");
+
+/// `idem` with the environment pointing at `env`'s schema and topology.
+fn idem(env: &TestEnv) -> Command {
+    let mut command = Command::new(IDEM);
+    command
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("AMQP_URL", AMQP_URL)
+        .env("DATABASE_URL", DATABASE_URL)
+        .env("IDEM_SCHEMA", &env.schema)
+        .env("IDEM_EXCHANGE", &env.topology.exchange)
+        .env("IDEM_QUEUE", &env.topology.queue)
+        .env(
+            "IDEM_DEAD_LETTER_EXCHANGE",
+            &env.topology.dead_letter_exchange,
+        )
+        .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+async fn output(mut command: Command) -> anyhow::Result<(Option<i32>, String, String)> {
+    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+        .await
+        .context("the command did not finish within 60 s")??;
+    Ok((
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_flag_gets_one_line_naming_it() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    for (args, names) in [
+        (vec!["worker", "--prefetch", "many"], "--prefetch"),
+        (vec!["worker", "--no-such-flag"], "--no-such-flag"),
+        (
+            vec![
+                "publish",
+                "--event-id",
+                "e",
+                "--order-id",
+                "o",
+                "--points",
+                "-1",
+            ],
+            "points",
+        ),
+    ] {
+        let mut command = idem(&env);
+        command.args(&args);
+        let (code, _, stderr) = output(command).await?;
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(names), "{args:?}: {stderr}");
+        assert!(matches!(code, Some(1) | Some(2)), "{args:?}: exit {code:?}");
+        assert!(!stderr.contains("panicked"));
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the_password()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    for url in [
+        "amqp://guest:not-the-password@127.0.0.1:5672/%2f",
+        "amqp://guest:guest@127.0.0.1:5672/no-such-vhost-for-idem",
+    ] {
+        let mut command = idem(&env);
+        command.env("AMQP_URL", url).arg("worker");
+        let started = std::time::Instant::now();
+        let (code, _, stderr) = output(command).await?;
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "it retried a refusal"
+        );
+        let last = stderr.trim().lines().last().unwrap_or_default();
+        assert!(last.contains("refused"), "{stderr}");
+        assert!(
+            !stderr.contains("not-the-password"),
+            "the password leaked: {stderr}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_idempotent_and_safe_to_run_concurrently() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // A fresh schema, migrated by four processes at once.
+    let schema = format!("{}_m", env.schema);
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let mut command = idem(&env);
+            command.env("IDEM_SCHEMA", &schema).arg("migrate");
+            output(command)
+        })
+        .collect();
+    let results = futures::future::join_all(runs).await;
+    let mut applied = 0;
+    for result in results {
+        let (code, stdout, stderr) = result?;
+        assert_eq!(code, Some(0), "{stderr}");
+        applied += usize::from(stdout.contains("applied"));
+    }
+    let database = idem::store::DatabaseConfig {
+        schema: Some(schema.clone()),
+        ..env.database.clone()
+    };
+    let pool = database.pool()?;
+    let again = migrate::run(&pool, Some(&schema)).await;
+    let client = pool.get().await?;
+    let recorded: i64 = client
+        .query_one("SELECT count(*) FROM idem_schema_migrations", &[])
+        .await?
+        .get(0);
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await?;
+    assert_eq!(applied, 1, "exactly one process applied the migrations");
+    assert_eq!(again?, Vec::<&str>::new());
+    assert_eq!(recorded, migrate::MIGRATIONS.len() as i64);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_exits_non_zero_when_a_message_is_returned() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let mut command = idem(&env);
+    command.args([
+        "--routing-key",
+        "routes.nowhere",
+        "publish",
+        "--event-id",
+        "e-1",
+        "--order-id",
+        "o-1",
+        "--points",
+        "3",
+    ]);
+    let (code, stdout, stderr) = output(command).await?;
+    assert_eq!(code, Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("1 refused") && stdout.contains("NO_ROUTE"),
+        "{stdout}"
+    );
+
+    let mut command = idem(&env);
+    command.args([
+        "publish",
+        "--count",
+        "20",
+        "--duplicate-ratio",
+        "0.5",
+        "--orders",
+        "3",
+        "--seed",
+        "1",
+    ]);
+    let (code, stdout, stderr) = output(command).await?;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("published 20 messages: 20 confirmed"),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&env.topology.queue).await?, 20);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Slow transactions, so that SIGTERM lands while several are in flight.
+    env.sql(
+        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(0.2); RETURN NEW; END $$;
+         CREATE TRIGGER slow BEFORE INSERT OR UPDATE ON user_points
+             FOR EACH ROW EXECUTE FUNCTION slow();",
+    )
+    .await?;
+    let events: Vec<PaymentSucceeded> = (0..60)
+        .map(|i| PaymentSucceeded {
+            event_id: format!("sigterm-{i}"),
+            order_id: format!("order-{i}"),
+            points: 1,
+        })
+        .collect();
+    env.publish_events(&events).await?;
+
+    let mut command = idem(&env);
+    command
+        .args(["worker", "--prefetch", "8", "--max-in-flight", "4"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut child = command.spawn()?;
+    wait_for(
+        "some transactions to commit",
+        Duration::from_secs(20),
+        || async { Ok(env.records(GROUP).await? >= 4) },
+    )
+    .await?;
+    let pid = child.id().context("no pid")?;
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await?;
+    assert!(killed.success());
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.stderr.take() {
+        use tokio::io::AsyncReadExt;
+        pipe.read_to_string(&mut stderr).await?;
+    }
+    assert_eq!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("worker stopped"), "{stderr}");
+
+    // Everything taken was committed and acked, or given back uncommitted:
+    // nothing committed came back, nothing acked was lost.
+    let committed = env.records(GROUP).await?;
+    let ready = i64::from(env.ready(&env.topology.queue).await?);
+    assert!(committed < 60, "the worker stopped before the end");
+    assert_eq!(
+        committed + ready,
+        60,
+        "committed {committed}, back in the queue {ready}"
+    );
+    let total: i64 = env.all_points().await?.values().sum();
+    assert_eq!(total, committed);
+    Ok(())
+}

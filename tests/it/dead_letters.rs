@@ -1,0 +1,227 @@
+//! What cannot be applied ends in the dead-letter queue, with the broker's
+//! record of why and where, and can be replayed from there.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use idem::broker::death::REPLAY_HEADER;
+use idem::commands::requeue::{self, RequeueConfig};
+use idem::event::PaymentSucceeded;
+
+use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};
+
+fn requeue_config(env: &TestEnv, dry_run: bool) -> RequeueConfig {
+    RequeueConfig {
+        amqp: env.amqp.clone(),
+        dead_letter_queue: env.topology.dead_letter_queue.clone(),
+        limit: None,
+        dry_run,
+        patience: Duration::from_secs(5),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_messages_are_dead_lettered_at_once_and_the_worker_goes_on() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let invalid: Vec<Vec<u8>> = vec![
+        b"not json".to_vec(),
+        br#"{"eventId": 7, "orderId": "o", "points": 1}"#.to_vec(),
+        br#"{"eventId": "e", "orderId": "o", "points": "100"}"#.to_vec(),
+        br#"{"orderId": "o", "points": 1}"#.to_vec(),
+        br#"{"eventId": "", "orderId": "o", "points": 1}"#.to_vec(),
+        br#"{"eventId": "e", "orderId": "o", "points": -3}"#.to_vec(),
+        br#"{"eventId": "e", "orderId": "o", "points": 0}"#.to_vec(),
+        vec![b'{', 0xff, 0xfe, b'}'],
+        format!(
+            r#"{{"eventId": "e", "orderId": "o", "points": 1, "pad": "{}"}}"#,
+            "x".repeat(70_000)
+        )
+        .into_bytes(),
+    ];
+    let valid = PaymentSucceeded {
+        event_id: "payment-success-40001".into(),
+        order_id: "40001".into(),
+        points: 5,
+    };
+    let mut bodies = invalid.clone();
+    bodies.push(valid.to_body());
+    env.publish_bodies(&bodies).await?;
+
+    let worker = RunningWorker::start(env.worker_config());
+    worker
+        .wait_finished(bodies.len() as u64, Duration::from_secs(20))
+        .await?;
+    let stats = worker.stats.snapshot();
+    wait_for(
+        "the dead-letter queue to fill",
+        Duration::from_secs(10),
+        || async {
+            Ok(env.ready(&env.topology.dead_letter_queue).await? as usize == invalid.len())
+        },
+    )
+    .await?;
+    worker.stop().await?;
+
+    assert_eq!(
+        (stats.invalid, stats.applied, stats.retried),
+        (invalid.len() as u64, 1, 0)
+    );
+    assert_eq!(
+        env.records(GROUP).await?,
+        1,
+        "only the valid event is recorded"
+    );
+    assert_eq!(env.points("40001").await?, 5);
+    assert_eq!(env.points("o").await?, 0);
+    let letters = env.dead_letters().await?;
+    let mut bodies: Vec<Vec<u8>> = letters.iter().map(|l| l.body.clone()).collect();
+    bodies.sort();
+    let mut expected = invalid;
+    expected.sort();
+    assert_eq!(bodies, expected);
+    for letter in &letters {
+        let death = letter
+            .death()
+            .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+        assert_eq!(death.queue, env.topology.queue);
+        assert_eq!(death.reason, "rejected");
+        assert_eq!(death.count, 1, "dead-lettered at the first delivery");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_fixed()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("50001").await?;
+    let poison = PaymentSucceeded {
+        event_id: "payment-success-50001".into(),
+        order_id: "50001".into(),
+        points: 70,
+    };
+    let good = PaymentSucceeded {
+        event_id: "payment-success-50002".into(),
+        order_id: "50002".into(),
+        points: 20,
+    };
+    env.publish_events(&[poison.clone(), good]).await?;
+
+    let worker = RunningWorker::start(env.worker_config());
+    wait_for(
+        "the failing message to be dead-lettered",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
+    )
+    .await?;
+    worker.stop().await?;
+
+    // The record rolled back with the points, every time.
+    assert_eq!(env.records_of("payment-success-50001", GROUP).await?, 0);
+    assert_eq!(env.points("50001").await?, 0);
+    assert_eq!(env.points("50002").await?, 20);
+    assert_eq!(
+        env.poisoned_attempts().await?,
+        5,
+        "attempted 5 times in all"
+    );
+    let letters = env.dead_letters().await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(
+        PaymentSucceeded::parse(&letters[0].body, usize::MAX),
+        Ok(poison)
+    );
+    let death = letters[0]
+        .death()
+        .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+    assert_eq!(death.queue, env.topology.queue);
+    assert_eq!(death.exchange, env.topology.exchange);
+    assert_eq!(death.routing_keys, vec![env.topology.routing_key.clone()]);
+
+    // A dry run lists it and moves nothing.
+    let listed = requeue::run(&requeue_config(&env, true), &CancellationToken::new()).await?;
+    assert_eq!(listed.listed.len(), 1);
+    assert_eq!(listed.listed[0].event_id, "payment-success-50001");
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 1);
+
+    // Fixed: the replay is applied, once.
+    env.sql("DROP TRIGGER poison ON user_points").await?;
+    let replayed = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    assert!(replayed.succeeded(), "{replayed}");
+    assert_eq!(replayed.replayed.len(), 1);
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    let worker = RunningWorker::start(env.worker_config());
+    worker.wait_finished(1, Duration::from_secs(20)).await?;
+    worker.stop().await?;
+    assert_eq!(env.records_of("payment-success-50001", GROUP).await?, 1);
+    assert_eq!(env.points("50001").await?, 70);
+
+    // Nothing left: a second requeue replays nothing.
+    let again = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    assert_eq!((again.replayed.len(), again.failed.len()), (0, 0));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queue()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Another queue bound for the same events must not receive the replay.
+    let mut other = env.topology.clone();
+    other.queue = format!("{}.other", env.topology.queue);
+    other.dead_letter_queue = format!("{}.dlq", other.queue);
+    env.declare(&other).await?;
+    env.publish_bodies(&[b"not an event".to_vec()]).await?;
+    let worker = RunningWorker::start(env.worker_config());
+    worker.wait_finished(1, Duration::from_secs(20)).await?;
+    worker.stop().await?;
+    wait_for("the dead letter", Duration::from_secs(10), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == 1)
+    })
+    .await?;
+    assert_eq!(
+        env.ready(&other.queue).await?,
+        1,
+        "the other queue got the original"
+    );
+
+    let report = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    assert_eq!(report.replayed.len(), 1);
+    assert_eq!(
+        env.ready(&env.topology.queue).await?,
+        1,
+        "replayed to the queue it died in"
+    );
+    assert_eq!(env.ready(&other.queue).await?, 1, "and only there");
+
+    // Read the replayed copy as the worker would.
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    let message = channel
+        .basic_get(
+            env.topology.queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the replay is not in the work queue"))?;
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    let headers = message
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    let names: Vec<&str> = headers.inner().keys().map(|k| k.as_str()).collect();
+    assert!(
+        !names.iter().any(|n| *n == "x-death"
+            || n.starts_with("x-first-death")
+            || n.starts_with("x-last-death")),
+        "{names:?}"
+    );
+    assert_eq!(idem::broker::death::replays(Some(&headers)), 1);
+    assert!(names.contains(&REPLAY_HEADER));
+    assert_eq!(message.delivery.data, b"not an event");
+    Ok(())
+}

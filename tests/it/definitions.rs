@@ -1,0 +1,135 @@
+//! `rabbit-definitions.json` describes exactly what the worker declares.
+
+use std::process::Command;
+
+use anyhow::{Context, bail};
+use serde_json::Value;
+
+use idem::broker::{AmqpConfig, Topology, TopologyError, connect};
+use idem::secret::SecretUrl;
+
+const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/rabbit-definitions.json");
+
+fn definitions() -> anyhow::Result<Value> {
+    let text = std::fs::read_to_string(FILE).context("reading rabbit-definitions.json")?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The entries of `key`, sorted so that order does not matter.
+fn sorted(value: &Value, key: &str) -> Vec<String> {
+    let mut entries: Vec<String> = value[key]
+        .as_array()
+        .map(|a| a.iter().map(Value::to_string).collect())
+        .unwrap_or_default();
+    entries.sort();
+    entries
+}
+
+#[test]
+fn the_definitions_file_holds_exactly_the_declared_topology() -> anyhow::Result<()> {
+    let file = definitions()?;
+    let declared = Topology::default().definitions("/");
+    for key in ["exchanges", "queues", "bindings"] {
+        assert_eq!(sorted(&file, key), sorted(&declared, key), "{key} differ");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_definitions_file_defines_the_user_vhost_and_permissions_the_worker_needs()
+-> anyhow::Result<()> {
+    // Loaded at boot, definitions replace the default guest user and vhost.
+    let file = definitions()?;
+    let user = file["users"][0]["name"].as_str().context("no user")?;
+    assert!(
+        file["vhosts"]
+            .as_array()
+            .is_some_and(|v| v.iter().any(|v| v["name"] == "/"))
+    );
+    let permission = file["permissions"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["user"] == user && p["vhost"] == "/"))
+        .context("no permission for the user on /")?;
+    for access in ["configure", "write", "read"] {
+        assert_eq!(permission[access], ".*");
+    }
+    Ok(())
+}
+
+fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
+    let output = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .context("running rabbitmqctl")?;
+    if !output.status.success() {
+        bail!(
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Deletes the vhost when the test ends, however it ends.
+struct Vhost(String);
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["delete_vhost", &self.0]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() -> anyhow::Result<()>
+{
+    // Import the file into a vhost of this test's own (users left out: this
+    // is a shared broker) and let the worker's declarations meet it there.
+    let vhost = Vhost(format!(
+        "idem_t{}_{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    ));
+    let mut file = definitions()?;
+    let object = file.as_object_mut().context("not an object")?;
+    object.remove("users");
+    object.remove("permissions");
+    object.insert("vhosts".into(), serde_json::json!([{"name": vhost.0}]));
+    for key in ["exchanges", "queues", "bindings"] {
+        for entry in object[key].as_array_mut().context("not an array")? {
+            entry["vhost"] = Value::String(vhost.0.clone());
+        }
+    }
+    let path = std::env::temp_dir().join(format!("{}.json", vhost.0));
+    std::fs::write(&path, serde_json::to_vec(&file)?)?;
+    let imported = rabbitmqctl(&["import_definitions", &path.to_string_lossy()]);
+    let _ = std::fs::remove_file(&path);
+    imported?;
+    rabbitmqctl(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
+
+    let amqp = AmqpConfig {
+        url: SecretUrl::new(format!("amqp://guest:guest@127.0.0.1:5672/{}", vhost.0)),
+    };
+    let connection = connect(&amqp, "idem definitions test").await?;
+    let channel = connection.create_channel().await?;
+    Topology::default().declare(&channel).await?;
+
+    // And a worker configured otherwise is told so in one clear line.
+    let other = Topology {
+        delivery_limit: Topology::default().delivery_limit + 3,
+        ..Topology::default()
+    };
+    let channel = connection.create_channel().await?;
+    match other.declare(&channel).await {
+        Err(error @ TopologyError::Mismatch { .. }) => {
+            let line = error.to_string();
+            assert!(
+                line.contains("x-delivery-limit") && line.contains("already exists"),
+                "{line}"
+            );
+            assert!(!line.contains('\n'));
+        }
+        other => bail!("expected a mismatch, got {other:?}"),
+    }
+    connection.close(200, "OK".into()).await?;
+    Ok(())
+}

@@ -1,0 +1,524 @@
+//! What every test needs: its own schema and its own exchanges and queues
+//! (named after the test process, so a crashed run's leftovers can be swept),
+//! a worker to run, and waiting on conditions instead of sleeping.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Once};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use deadpool_postgres::Pool;
+use lapin::options::{
+    BasicGetOptions, BasicNackOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use idem::broker::{
+    AmqpConfig, Outgoing, PublishOptions, PublishReport, Topology, connect, json_properties,
+    publish_all,
+};
+use idem::event::PaymentSucceeded;
+use idem::secret::SecretUrl;
+use idem::store::{DatabaseConfig, migrate};
+use idem::worker::{Stats, Worker, WorkerConfig, WorkerError};
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const GROUP: &str = "points-consumer-group";
+
+/// Names of this process's test objects start with this.
+fn process_prefix() -> String {
+    format!("idem_t{}_", std::process::id())
+}
+
+/// A test's own schema, topology and connections; removed on drop.
+pub struct TestEnv {
+    /// Unique name of this test's objects: `idem_t<pid>_<random>`.
+    pub name: String,
+    pub schema: String,
+    pub topology: Topology,
+    pub amqp: AmqpConfig,
+    pub database: DatabaseConfig,
+    /// For the test's own queries; its search_path is the test's schema.
+    pub pool: Pool,
+    /// Extra queues and exchanges a test declared, removed on drop too.
+    extra_queues: std::sync::Mutex<Vec<String>>,
+}
+
+impl TestEnv {
+    /// A migrated schema and a declared topology, both new.
+    pub async fn new() -> anyhow::Result<Self> {
+        sweep_leftovers_once();
+        let name = format!("{}{:08x}", process_prefix(), fastrand::u32(..));
+        let schema = name.clone();
+        let database = DatabaseConfig {
+            url: SecretUrl::new(DATABASE_URL),
+            schema: Some(schema.clone()),
+            pool_size: 4,
+            connect_timeout: Duration::from_secs(5),
+        };
+        let pool = database.pool()?;
+        migrate::run(&pool, Some(&schema)).await?;
+        let topology = Topology::prefixed(&format!("{}.", name.replace('_', "-")));
+        let amqp = AmqpConfig {
+            url: SecretUrl::new(AMQP_URL),
+        };
+        let env = Self {
+            name,
+            schema,
+            topology,
+            amqp,
+            database,
+            pool,
+            extra_queues: Default::default(),
+        };
+        env.declare(&env.topology).await?;
+        Ok(env)
+    }
+
+    /// Declares `topology` (as the worker would), and removes it on drop.
+    pub async fn declare(&self, topology: &Topology) -> anyhow::Result<()> {
+        let connection = self.connect().await?;
+        let channel = connection.create_channel().await?;
+        topology.declare(&channel).await?;
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        if *topology != self.topology {
+            let mut extra = self
+                .extra_queues
+                .lock()
+                .map_err(|_| anyhow::anyhow!("poisoned"))?;
+            extra.push(topology.queue.clone());
+            extra.push(topology.dead_letter_queue.clone());
+        }
+        Ok(())
+    }
+
+    pub async fn connect(&self) -> anyhow::Result<Connection> {
+        Ok(connect(&self.amqp, "idem test").await?)
+    }
+
+    /// A worker configuration for this environment in the default mode.
+    pub fn worker_config(&self) -> WorkerConfig {
+        WorkerConfig {
+            amqp: self.amqp.clone(),
+            database: DatabaseConfig {
+                pool_size: 6,
+                ..self.database.clone()
+            },
+            topology: self.topology.clone(),
+            consumer_group: GROUP.into(),
+            prefetch: 50,
+            batch_size: 1,
+            batch_wait: Duration::from_millis(5),
+            max_in_flight: 4,
+            max_body_bytes: 64 * 1024,
+            shutdown_timeout: Duration::from_secs(10),
+            startup_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Publishes events to this environment's exchange, with confirms.
+    pub async fn publish_events(
+        &self,
+        events: &[PaymentSucceeded],
+    ) -> anyhow::Result<PublishReport> {
+        let bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+        self.publish_bodies(&bodies).await
+    }
+
+    /// Publishes raw bodies to this environment's exchange, with confirms.
+    pub async fn publish_bodies(&self, bodies: &[Vec<u8>]) -> anyhow::Result<PublishReport> {
+        let messages: Vec<Outgoing> = bodies
+            .iter()
+            .map(|body| Outgoing {
+                exchange: self.topology.exchange.clone(),
+                routing_key: self.topology.routing_key.clone(),
+                body: body.clone(),
+                properties: json_properties(),
+            })
+            .collect();
+        let options = PublishOptions {
+            window: 500,
+            patience: Duration::from_secs(10),
+        };
+        let report =
+            publish_all(&self.amqp, &messages, &options, &CancellationToken::new()).await?;
+        if !report.all_confirmed() {
+            bail!("test publish not confirmed: {report:?}");
+        }
+        Ok(report)
+    }
+
+    /// Points of `order_id`, 0 when it has none.
+    pub async fn points(&self, order_id: &str) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                "SELECT points FROM user_points WHERE order_id = $1",
+                &[&order_id],
+            )
+            .await?;
+        Ok(row.map(|r| r.get(0)).unwrap_or(0))
+    }
+
+    /// Points of every order.
+    pub async fn all_points(&self) -> anyhow::Result<BTreeMap<String, i64>> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query("SELECT order_id, points FROM user_points", &[])
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Consume records of `group` (all events).
+    pub async fn records(&self, group: &str) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM mq_consume_record WHERE consumer_group = $1",
+                &[&group],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Consume records of one event in `group`.
+    pub async fn records_of(&self, event_id: &str, group: &str) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM mq_consume_record WHERE event_id = $1 AND consumer_group = $2",
+                &[&event_id, &group],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Event ids recorded more than once in `group`: must always be none.
+    pub async fn doubly_recorded(&self, group: &str) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM (SELECT event_id FROM mq_consume_record \
+                 WHERE consumer_group = $1 GROUP BY event_id HAVING count(*) > 1) AS twice",
+                &[&group],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Messages ready in `queue` (not counting those delivered and unacked).
+    pub async fn ready(&self, queue: &str) -> anyhow::Result<u32> {
+        let connection = self.connect().await?;
+        let channel = connection.create_channel().await?;
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(declared.message_count())
+    }
+
+    /// The messages in the dead-letter queue, left in place.
+    pub async fn dead_letters(&self) -> anyhow::Result<Vec<DeadLetter>> {
+        let connection = self.connect().await?;
+        let channel = connection.create_channel().await?;
+        let mut letters = Vec::new();
+        let mut last = None;
+        while let Some(message) = channel
+            .basic_get(
+                self.topology.dead_letter_queue.as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await?
+        {
+            last = Some(message.delivery.delivery_tag);
+            letters.push(DeadLetter {
+                body: message.delivery.data.clone(),
+                properties: message.delivery.properties.clone(),
+            });
+        }
+        if let Some(tag) = last {
+            channel
+                .basic_nack(
+                    tag,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(letters)
+    }
+
+    /// Runs SQL in this test's schema.
+    pub async fn sql(&self, statements: &str) -> anyhow::Result<()> {
+        let client = self.pool.get().await?;
+        client.batch_execute(statements).await?;
+        Ok(())
+    }
+
+    /// Makes every transaction that adds points to `order_id` fail, counting
+    /// the attempts in the sequence `attempts` (which does not roll back).
+    pub async fn poison_order(&self, order_id: &str) -> anyhow::Result<()> {
+        self.sql(&format!(
+            "CREATE SEQUENCE attempts;
+             CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.order_id = '{order_id}' THEN
+                     PERFORM nextval('attempts');
+                     RAISE EXCEPTION 'order % is poisoned', NEW.order_id;
+                 END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER poison BEFORE INSERT OR UPDATE ON user_points
+                 FOR EACH ROW EXECUTE FUNCTION poison();"
+        ))
+        .await
+    }
+
+    /// How many transactions `poison_order` failed.
+    pub async fn poisoned_attempts(&self) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT CASE WHEN is_called THEN last_value ELSE 0 END FROM attempts",
+                &[],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+}
+
+/// A message read from the dead-letter queue.
+#[derive(Debug)]
+pub struct DeadLetter {
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+}
+
+impl DeadLetter {
+    pub fn death(&self) -> Option<idem::broker::death::Death> {
+        idem::broker::death::Death::latest(self.properties.headers().as_ref())
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        let mut queues = vec![
+            self.topology.queue.clone(),
+            self.topology.dead_letter_queue.clone(),
+        ];
+        queues.extend(
+            self.extra_queues
+                .lock()
+                .map(|q| q.clone())
+                .unwrap_or_default(),
+        );
+        let exchanges = vec![
+            self.topology.exchange.clone(),
+            self.topology.dead_letter_exchange.clone(),
+        ];
+        let schema = self.schema.clone();
+        // Drop runs inside the test's runtime: clean up on a thread of its own.
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(remove(queues, exchanges, vec![schema]))
+        });
+        if let Ok(Err(error)) = cleanup.join() {
+            eprintln!("test cleanup failed: {error:#}");
+        }
+    }
+}
+
+async fn remove(
+    queues: Vec<String>,
+    exchanges: Vec<String>,
+    schemas: Vec<String>,
+) -> anyhow::Result<()> {
+    if !queues.is_empty() || !exchanges.is_empty() {
+        let amqp = AmqpConfig {
+            url: SecretUrl::new(AMQP_URL),
+        };
+        let connection = connect(&amqp, "idem test cleanup").await?;
+        let channel = connection.create_channel().await?;
+        for queue in queues {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        for exchange in exchanges {
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await?;
+        }
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+    }
+    if !schemas.is_empty() {
+        let (client, connection) =
+            tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
+        tokio::spawn(connection);
+        for schema in schemas {
+            client
+                .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Removes what earlier test processes that died left behind: objects whose
+/// names carry the pid of a process that no longer runs.
+fn sweep_leftovers_once() {
+    static SWEEP: Once = Once::new();
+    SWEEP.call_once(|| {
+        let swept = std::thread::spawn(|| {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(sweep())
+        })
+        .join();
+        if let Ok(Err(error)) = swept {
+            eprintln!("sweeping leftovers of earlier test runs failed: {error:#}");
+        }
+    });
+}
+
+fn is_orphan(name: &str) -> bool {
+    let Some(rest) = name
+        .strip_prefix("idem_t")
+        .or_else(|| name.strip_prefix("idem-t"))
+    else {
+        return false;
+    };
+    let pid: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    match pid.parse::<u32>() {
+        Ok(pid) => {
+            pid != std::process::id() && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+        }
+        Err(_) => false,
+    }
+}
+
+async fn sweep() -> anyhow::Result<()> {
+    let list = |what: &str| -> Vec<String> {
+        std::process::Command::new("rabbitmqctl")
+            .args([what, "-q", "--no-table-headers", "name"])
+            .output()
+            .ok()
+            .filter(|out| out.status.success())
+            .map(|out| {
+                String::from_utf8_lossy(&out.stdout)
+                    .lines()
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let queues: Vec<String> = list("list_queues")
+        .into_iter()
+        .filter(|n| is_orphan(n))
+        .collect();
+    let exchanges: Vec<String> = list("list_exchanges")
+        .into_iter()
+        .filter(|n| is_orphan(n))
+        .collect();
+    for vhost in list("list_vhosts").into_iter().filter(|n| is_orphan(n)) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["delete_vhost", &vhost])
+            .output();
+    }
+    let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    let schemas: Vec<String> = client
+        .query(
+            "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_t%'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .filter(|n| is_orphan(n))
+        .collect();
+    drop(client);
+    remove(queues, exchanges, schemas).await
+}
+
+/// Waits until `condition` holds, checking every 25 ms, for at most `timeout`.
+pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut condition: F) -> anyhow::Result<()>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = anyhow::Result<bool>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if condition()
+            .await
+            .with_context(|| format!("while waiting for {what}"))?
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// A worker running in this process.
+pub struct RunningWorker {
+    pub stats: Arc<Stats>,
+    shutdown: CancellationToken,
+    handle: JoinHandle<Result<(), WorkerError>>,
+}
+
+impl RunningWorker {
+    pub fn start(config: WorkerConfig) -> Self {
+        let worker = Worker::new(config);
+        let stats = worker.stats();
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn(worker.run(shutdown.clone()));
+        Self {
+            stats,
+            shutdown,
+            handle,
+        }
+    }
+
+    /// Asks it to stop and waits until it has.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        Ok(tokio::time::timeout(Duration::from_secs(30), self.handle).await???)
+    }
+
+    /// Waits until it has finished (acked or dead-lettered) `n` deliveries.
+    pub async fn wait_finished(&self, n: u64, timeout: Duration) -> anyhow::Result<()> {
+        wait_for(&format!("{n} finished deliveries"), timeout, || async {
+            if self.handle.is_finished() {
+                bail!("the worker stopped: {:?}", self.stats.snapshot());
+            }
+            Ok(self.stats.snapshot().finished() >= n)
+        })
+        .await
+    }
+}

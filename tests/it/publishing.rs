@@ -1,0 +1,97 @@
+//! A publish counts only when confirmed and routed; anything else is a
+//! failure the publisher reports.
+
+use std::time::Duration;
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable};
+use tokio_util::sync::CancellationToken;
+
+use idem::broker::{Outgoing, PublishOptions, Refusal, json_properties, publish_all};
+
+use crate::helpers::TestEnv;
+
+fn message(exchange: &str, routing_key: &str, body: &[u8]) -> Outgoing {
+    Outgoing {
+        exchange: exchange.into(),
+        routing_key: routing_key.into(),
+        body: body.to_vec(),
+        properties: json_properties(),
+    }
+}
+
+const OPTIONS: PublishOptions = PublishOptions {
+    window: 16,
+    patience: Duration::from_secs(5),
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_publish_is_reported_as_returned() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let messages = [
+        message(&env.topology.exchange, &env.topology.routing_key, b"{}"),
+        message(&env.topology.exchange, "no.queue.is.bound.for.this", b"{}"),
+    ];
+    let report = publish_all(&env.amqp, &messages, &OPTIONS, &CancellationToken::new()).await?;
+    assert_eq!(report.confirmed, 1);
+    assert_eq!(
+        report.refused,
+        vec![(
+            1,
+            Refusal::Returned {
+                code: 312,
+                text: "NO_ROUTE".into()
+            }
+        )]
+    );
+    assert!(!report.all_confirmed());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_to_a_full_queue_is_reported_as_nacked() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let queue = format!("{}.full", env.topology.queue);
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                auto_delete: false,
+                exclusive: false,
+                ..QueueDeclareOptions::default()
+            },
+            arguments,
+        )
+        .await?;
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    let messages: Vec<Outgoing> = (0..3).map(|_| message("", &queue, b"{}")).collect();
+    let options = PublishOptions {
+        window: 1,
+        ..OPTIONS
+    };
+    let report = publish_all(&env.amqp, &messages, &options, &CancellationToken::new()).await;
+    // Remove the queue before asserting.
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_delete(queue.as_str().into(), Default::default())
+        .await?;
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    let report = report?;
+    assert_eq!(report.confirmed, 1);
+    assert_eq!(
+        report.refused,
+        vec![(1, Refusal::Nacked), (2, Refusal::Nacked)]
+    );
+    Ok(())
+}
