@@ -34,8 +34,10 @@ fn main() -> ExitCode {
         }
     };
     let default_filter = match cli.command {
-        Command::Demo => "warn,lapin=error",
-        _ => "info,lapin=warn",
+        Command::Demo => "warn,lapin=off",
+        // lapin logs from its own task what it also returns to us, and we log
+        // each error once, where it is handled.
+        _ => "info,lapin=off",
     };
     telemetry::init(default_filter, cli.log_format);
     let runtime = match tokio::runtime::Runtime::new() {

@@ -92,8 +92,11 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
             started.elapsed() < Duration::from_secs(10),
             "it retried a refusal"
         );
-        let last = stderr.trim().lines().last().unwrap_or_default();
-        assert!(last.contains("refused"), "{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.starts_with("idem: ") && stderr.contains("refused"),
+            "{stderr}"
+        );
         assert!(
             !stderr.contains("not-the-password"),
             "the password leaked: {stderr}"
