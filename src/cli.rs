@@ -134,12 +134,16 @@ pub struct TopologyArgs {
         global = true
     )]
     pub dead_letter_queue: String,
+    /// The work queue's x-delivery-limit: a backstop above --max-attempts for
+    /// a message that crashes the worker itself.
+    #[arg(long, env = "IDEM_DELIVERY_LIMIT", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000), global = true)]
+    pub delivery_limit: u32,
 }
 
 /// `idem worker`.
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
-    /// Attempts a message gets before it is dead-lettered.
+    /// Genuine failures (counted in the failure ledger) after which a message is dead-lettered.
     #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub max_attempts: u32,
     /// Most unacknowledged deliveries in this worker.
@@ -238,8 +242,8 @@ impl Cli {
         }
     }
 
-    /// The topology, with the work queue's delivery limit.
-    pub fn topology(&self, delivery_limit: u32) -> Topology {
+    /// The topology.
+    pub fn topology(&self) -> Topology {
         let names = &self.topology;
         Topology {
             exchange: names.exchange.clone(),
@@ -247,7 +251,7 @@ impl Cli {
             queue: names.queue.clone(),
             dead_letter_exchange: names.dead_letter_exchange.clone(),
             dead_letter_queue: names.dead_letter_queue.clone(),
-            delivery_limit,
+            delivery_limit: names.delivery_limit,
         }
     }
 
@@ -265,16 +269,23 @@ impl Cli {
 
     /// Settings of `idem worker`.
     pub fn worker(&self, args: &WorkerArgs) -> Result<WorkerConfig, SettingError> {
+        if self.topology.delivery_limit < args.max_attempts {
+            return Err(SettingError(format!(
+                "--delivery-limit ({}) must be at least --max-attempts ({}): it is the backstop \
+                 above the failure ledger's budget, for messages that crash the worker",
+                self.topology.delivery_limit, args.max_attempts
+            )));
+        }
         Ok(WorkerConfig {
             amqp: self.amqp(),
             database: self.database(args.pool_size as usize),
-            // A quorum queue delivers a message limit + 1 times.
-            topology: self.topology(args.max_attempts - 1),
+            topology: self.topology(),
             consumer_group: self.consumer_group()?,
             prefetch: args.prefetch,
             batch_size: args.batch_size as usize,
             batch_wait: args.batch_wait,
             max_in_flight: args.max_in_flight as usize,
+            max_attempts: args.max_attempts,
             max_body_bytes: args.max_body_bytes,
             shutdown_timeout: args.shutdown_timeout,
             startup_timeout: self.services.startup_timeout,
@@ -330,14 +341,16 @@ impl Cli {
     }
 
     /// Settings of `idem requeue`.
-    pub fn requeue(&self, args: &RequeueArgs) -> RequeueConfig {
-        RequeueConfig {
+    pub fn requeue(&self, args: &RequeueArgs) -> Result<RequeueConfig, SettingError> {
+        Ok(RequeueConfig {
             amqp: self.amqp(),
+            database: self.database(2),
+            consumer_group: self.consumer_group()?,
             dead_letter_queue: self.topology.dead_letter_queue.clone(),
             limit: args.limit,
             dry_run: args.dry_run,
             patience: self.services.startup_timeout,
-        }
+        })
     }
 }
 

@@ -13,10 +13,12 @@
 //! - [`worker`] — the consume loop: batches, processing, settling, shutdown.
 //! - [`commands`] — `publish`, `requeue` and `demo`.
 //! - [`generate`] — reproducible loads with duplicates.
+//! - [`backoff`] — the retry schedules.
 //! - [`cli`] — flags and environment variables, turned into typed settings.
 //! - [`secret`] — connection strings that never print their password.
 //! - [`telemetry`] — logging.
 
+pub mod backoff;
 pub mod broker;
 pub mod cli;
 pub mod commands;

@@ -88,7 +88,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Requeue(args) => {
-            let report = requeue::run(&cli.requeue(args), &shutdown).await?;
+            let report = requeue::run(&cli.requeue(args)?, &shutdown).await?;
             println!("{report}");
             if !report.succeeded() {
                 return Ok(ExitCode::FAILURE);

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
@@ -99,7 +99,7 @@ pub async fn connect_with_retry(
     shutdown: &CancellationToken,
 ) -> Result<Connection, ConnectError> {
     let attempts = (|| connect(config, name))
-        .retry(patience_backoff(patience))
+        .retry(crate::backoff::until(patience))
         .sleep(tokio::time::sleep)
         .when(|error| !error.is_refusal())
         .notify(|error, wait| warn!("{error}; retrying in {:.1}s", wait.as_secs_f64()));
@@ -107,15 +107,4 @@ pub async fn connect_with_retry(
         result = attempts => result,
         () = shutdown.cancelled() => Err(ConnectError::Interrupted),
     }
-}
-
-/// Exponential backoff with jitter from 200 ms to 5 s between attempts,
-/// giving up once the waits add up to `patience`.
-pub fn patience_backoff(patience: Duration) -> ExponentialBuilder {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(5))
-        .with_jitter()
-        .without_max_times()
-        .with_total_delay(Some(patience))
 }

@@ -20,7 +20,9 @@ pub struct Topology {
     /// Classic queue holding dead-lettered messages until they are replayed.
     pub dead_letter_queue: String,
     /// The work queue's `x-delivery-limit`: the broker dead-letters a message
-    /// returned more often than this.
+    /// returned more often than this. A backstop above the failure ledger's
+    /// budget, for a message that crashes the worker itself (every crash
+    /// counts as a delivery on RabbitMQ 3.x).
     pub delivery_limit: u32,
 }
 
@@ -32,7 +34,7 @@ impl Default for Topology {
             queue: "points.payment-succeeded".into(),
             dead_letter_exchange: "points.dlx".into(),
             dead_letter_queue: "points.payment-succeeded.dlq".into(),
-            delivery_limit: 4,
+            delivery_limit: 20,
         }
     }
 }

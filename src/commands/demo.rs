@@ -121,6 +121,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         batch_size: 1,
         batch_wait: Duration::ZERO,
         max_in_flight: 4,
+        max_attempts: 5,
         max_body_bytes: 64 * 1024,
         shutdown_timeout: Duration::from_secs(10),
         startup_timeout: Duration::from_secs(5),
@@ -227,7 +228,8 @@ impl fmt::Display for DemoReport {
         writeln!(
             f,
             "  dead-lettered        {} (invalid: {})",
-            w.invalid, w.invalid
+            w.invalid + w.dead_lettered,
+            w.invalid
         )?;
         writeln!(f, "  consume records      {}", self.consume_records)?;
         writeln!(f, "  points per order")?;

@@ -16,14 +16,19 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::broker::death::{Death, replay_headers, replays};
-use crate::broker::{AmqpConfig, ConfirmChannel, ConnectError, Outgoing, connect_with_retry};
+use crate::broker::{AmqpConfig, ConfirmChannel, Outgoing, connect_with_retry};
 use crate::event::PaymentSucceeded;
+use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
 
 /// What to replay.
 #[derive(Debug, Clone)]
 pub struct RequeueConfig {
     /// The broker.
     pub amqp: AmqpConfig,
+    /// The database holding the failure ledger.
+    pub database: DatabaseConfig,
+    /// Whose failure ledger: the consumer group of the work queue.
+    pub consumer_group: String,
     /// The dead-letter queue to empty.
     pub dead_letter_queue: String,
     /// Replay at most this many messages.
@@ -43,6 +48,8 @@ pub struct Entry {
     pub death: Option<Death>,
     /// How many times it was replayed before.
     pub replays: i64,
+    /// What the failure ledger knows of it (dry runs only).
+    pub failures: Option<LedgerEntry>,
 }
 
 /// What `idem requeue` did.
@@ -58,6 +65,10 @@ pub struct Report {
     pub replayed: Vec<Entry>,
     /// Messages that could not be replayed, and why; they stay.
     pub failed: Vec<(Entry, String)>,
+    /// Why the failure ledger could not be read, if it could not.
+    pub ledger_unavailable: Option<String>,
+    /// Connections lost and reopened on the way.
+    pub reconnects: usize,
 }
 
 impl Report {
@@ -69,10 +80,7 @@ impl Report {
 
 /// Replays (or, in a dry run, lists) the messages that are in the
 /// dead-letter queue when it starts, up to the limit.
-pub async fn run(
-    config: &RequeueConfig,
-    shutdown: &CancellationToken,
-) -> Result<Report, ConnectError> {
+pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow::Result<Report> {
     let mut report = Report {
         queue: config.dead_letter_queue.clone(),
         dry_run: config.dry_run,
@@ -81,11 +89,13 @@ pub async fn run(
     // Messages in the queue at the start; those dead-lettered while we run
     // (a replay that fails again, say) are left for the next run.
     let mut remaining: Option<usize> = config.limit;
+    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     loop {
         let connection =
             connect_with_retry(&config.amqp, "idem requeue", config.patience, shutdown).await?;
         let pass = Pass {
             config,
+            store: &store,
             remaining: &mut remaining,
             report: &mut report,
             held: Vec::new(),
@@ -93,21 +103,55 @@ pub async fn run(
         let result = pass.run(&connection, shutdown).await;
         let _ = connection.close(200, "OK".into()).await;
         match result {
-            Ok(()) => return Ok(report),
-            Err(error) if shutdown.is_cancelled() => {
+            Ok(()) => {
+                if config.dry_run {
+                    look_up_failures(&store, &mut report).await;
+                }
+                return Ok(report);
+            }
+            Err(PassError::Ledger(error)) => {
+                return Err(anyhow::Error::new(error).context(
+                    "cannot reset the failure ledger before a replay (what was not replayed \
+                     is still in the dead-letter queue)",
+                ));
+            }
+            Err(PassError::Broker(error)) if shutdown.is_cancelled() => {
                 warn!(%error, "interrupted");
                 return Ok(report);
             }
-            Err(error) => {
+            Err(PassError::Broker(error)) => {
+                report.reconnects += 1;
                 warn!(%error, "connection to RabbitMQ lost while replaying; reconnecting (unacked copies are back in the dead-letter queue)");
             }
         }
     }
 }
 
+/// Attaches to each listed message what the failure ledger knows of it.
+async fn look_up_failures(store: &Store, report: &mut Report) {
+    for entry in &mut report.listed {
+        match store.ledger_entry(&entry.event_id).await {
+            Ok(failures) => entry.failures = failures,
+            Err(error) => {
+                report.ledger_unavailable = Some(error.to_string());
+                return;
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PassError {
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+    #[error(transparent)]
+    Ledger(#[from] StoreError),
+}
+
 /// One connection's worth of work.
 struct Pass<'a> {
     config: &'a RequeueConfig,
+    store: &'a Store,
     /// How many more messages may be taken; `None` until the queue's length is known.
     remaining: &'a mut Option<usize>,
     report: &'a mut Report,
@@ -120,7 +164,7 @@ impl Pass<'_> {
         mut self,
         connection: &lapin::Connection,
         shutdown: &CancellationToken,
-    ) -> lapin::Result<()> {
+    ) -> Result<(), PassError> {
         let getter = connection.create_channel().await?;
         let publisher = ConfirmChannel::open(connection).await?;
         // Failures from an earlier pass are back in the queue and are tried again.
@@ -172,7 +216,7 @@ impl Pass<'_> {
         getter: &Channel,
         publisher: &ConfirmChannel,
         delivery: Delivery,
-    ) -> lapin::Result<()> {
+    ) -> Result<(), PassError> {
         let entry = Entry::of(&delivery);
         let tag = delivery.delivery_tag;
         if self.config.dry_run {
@@ -188,6 +232,10 @@ impl Pass<'_> {
             self.held.push(tag);
             return Ok(());
         };
+        // A replay starts a fresh budget of attempts.
+        if let Ok(event) = PaymentSucceeded::parse(&delivery.data, usize::MAX) {
+            self.store.reset_ledger(&event.event_id).await?;
+        }
         let properties = delivery
             .properties
             .clone()
@@ -222,6 +270,7 @@ impl Entry {
             event_id: event_id(&delivery.data),
             death: Death::latest(headers),
             replays: replays(headers),
+            failures: None,
         }
     }
 }
@@ -261,6 +310,13 @@ impl fmt::Display for Entry {
         if self.replays > 0 {
             write!(f, " replays={}", self.replays)?;
         }
+        if let Some(failures) = &self.failures {
+            write!(
+                f,
+                "\n    failed {} time(s), last error: {}",
+                failures.failures, failures.last_error
+            )?;
+        }
         Ok(())
     }
 }
@@ -276,6 +332,9 @@ impl fmt::Display for Report {
             )?;
             for entry in &self.listed {
                 write!(f, "\n  {entry}")?;
+            }
+            if let Some(error) = &self.ledger_unavailable {
+                write!(f, "\n  (the failure ledger could not be read: {error})")?;
             }
             return Ok(());
         }

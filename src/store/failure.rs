@@ -10,7 +10,7 @@ use tokio_postgres::error::SqlState;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had from the pool (timeout, refused, closed).
-    #[error("no database connection: {0}")]
+    #[error("no database connection: {}", describe_pool(.0))]
     Pool(#[from] PoolError),
     /// A statement or the connection failed.
     #[error("{}", describe(.0))]
@@ -84,6 +84,14 @@ pub fn classify_sqlstate(code: &SqlState) -> FailureKind {
         FailureKind::Infrastructure
     } else {
         FailureKind::Message
+    }
+}
+
+fn describe_pool(error: &PoolError) -> String {
+    match error {
+        PoolError::Backend(error) => describe(error),
+        PoolError::Timeout(_) => "timed out waiting for a connection".into(),
+        other => other.to_string(),
     }
 }
 

@@ -27,7 +27,10 @@ macro_rules! migration {
 }
 
 /// Every migration, oldest first.
-pub const MIGRATIONS: &[Migration] = &[migration!(1, "0001_consume_record_and_points.sql")];
+pub const MIGRATIONS: &[Migration] = &[
+    migration!(1, "0001_consume_record_and_points.sql"),
+    migration!(2, "0002_failure_ledger.sql"),
+];
 
 /// Key of the advisory lock that serializes migrations ("idem" in ASCII).
 const LOCK_KEY: i64 = 0x6964_656d;

@@ -5,16 +5,22 @@
 
 mod claim;
 mod failure;
+mod ledger;
 pub mod migrate;
 mod points;
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use backon::Retryable;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
 use tokio_postgres::NoTls;
+use tokio_postgres::error::SqlState;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 pub use failure::{FailureKind, StoreError, classify_sqlstate};
+pub use ledger::LedgerEntry;
 
 use crate::event::PaymentSucceeded;
 use crate::secret::SecretUrl;
@@ -84,6 +90,37 @@ impl DatabaseConfig {
     }
 }
 
+/// Why the database cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadyError {
+    /// PostgreSQL answered and said no.
+    #[error("PostgreSQL refused the connection: {0}")]
+    Refused(StoreError),
+    /// PostgreSQL did not answer within the start-up timeout.
+    #[error("PostgreSQL did not answer in time: {0}")]
+    Unavailable(StoreError),
+    /// The tables are missing or older than this idem.
+    #[error(
+        "the database schema is at migration {found}, this idem needs {needed}: run `idem migrate` first"
+    )]
+    NotMigrated {
+        /// The highest migration applied.
+        found: i32,
+        /// The highest migration this idem has.
+        needed: i32,
+    },
+    /// Shutdown was asked for while waiting.
+    #[error("interrupted while waiting for PostgreSQL")]
+    Interrupted,
+}
+
+/// Invalid credentials, no such database or role: retrying cannot help.
+fn is_refusal(error: &StoreError) -> bool {
+    error.code().is_some_and(|code| {
+        code.code().starts_with("28") || *code == SqlState::INVALID_CATALOG_NAME
+    })
+}
+
 /// A plain SQL identifier that needs no quoting.
 pub fn is_identifier(name: &str) -> bool {
     let mut chars = name.chars();
@@ -137,17 +174,92 @@ impl Store {
         &self.consumer_group
     }
 
-    /// Checks that a connection can be had and answers.
-    pub async fn ping(&self) -> Result<(), StoreError> {
+    /// Waits until PostgreSQL answers and holds idem's tables, retrying with
+    /// backoff for at most `patience` of waiting, one log line per attempt.
+    /// A refusal (credentials, unknown database) or a schema that is not
+    /// migrated ends it at once: retrying cannot fix those.
+    pub async fn wait_until_ready(
+        &self,
+        patience: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ReadyError> {
+        let attempts = (|| self.schema_version())
+            .retry(crate::backoff::until(patience))
+            .sleep(tokio::time::sleep)
+            .when(|error| !is_refusal(error))
+            .notify(|error, wait| {
+                warn!(
+                    "PostgreSQL is unavailable: {error}; retrying in {:.1}s",
+                    wait.as_secs_f64()
+                );
+            });
+        let version = tokio::select! {
+            result = attempts => result.map_err(|error| if is_refusal(&error) {
+                ReadyError::Refused(error)
+            } else {
+                ReadyError::Unavailable(error)
+            })?,
+            () = shutdown.cancelled() => return Err(ReadyError::Interrupted),
+        };
+        let needed = migrate::MIGRATIONS.len() as i32;
+        match version {
+            Some(version) if version >= needed => Ok(()),
+            found => Err(ReadyError::NotMigrated {
+                found: found.unwrap_or(0),
+                needed,
+            }),
+        }
+    }
+
+    /// The highest migration applied; `None` when none ever was.
+    async fn schema_version(&self) -> Result<Option<i32>, StoreError> {
         let client = self.pool.get().await?;
-        client.simple_query("SELECT 1").await?;
-        Ok(())
+        match client
+            .query_one("SELECT max(version) FROM idem_schema_migrations", &[])
+            .await
+        {
+            Ok(row) => Ok(row.try_get(0)?),
+            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// Counts a genuine failure of `event_id`, in a transaction of its own
+    /// (the failed one rolled back); returns how many there were.
+    pub async fn record_failure(&self, event_id: &str, error: &str) -> Result<u32, StoreError> {
+        let client = self.pool.get().await?;
+        let failures = ledger::record(&client, event_id, &self.consumer_group, error).await?;
+        Ok(u32::try_from(failures).unwrap_or(0))
+    }
+
+    /// The events among `event_ids` that already failed `max_failures` times.
+    pub async fn exhausted(
+        &self,
+        event_ids: &[&str],
+        max_failures: u32,
+    ) -> Result<Vec<String>, StoreError> {
+        let client = self.pool.get().await?;
+        let max = i32::try_from(max_failures).unwrap_or(i32::MAX);
+        Ok(ledger::exhausted(&client, event_ids, &self.consumer_group, max).await?)
+    }
+
+    /// The recorded failures of `event_id`, if any.
+    pub async fn ledger_entry(&self, event_id: &str) -> Result<Option<LedgerEntry>, StoreError> {
+        let client = self.pool.get().await?;
+        Ok(ledger::entry(&client, event_id, &self.consumer_group).await?)
+    }
+
+    /// Forgets the failures of `event_id`: a replay starts a fresh budget.
+    pub async fn reset_ledger(&self, event_id: &str) -> Result<(), StoreError> {
+        let client = self.pool.get().await?;
+        Ok(ledger::reset(&client, event_id, &self.consumer_group).await?)
     }
 
     /// In one transaction: records each distinct event of `events` for this
     /// consumer group, and adds the points of those that went in (the
     /// others were applied before). Returns the events that went in.
     ///
+    /// The failure ledger's rows of these events go in the same transaction.
     /// On error nothing is applied: the records roll back with the points.
     pub async fn apply(&self, events: &[&PaymentSucceeded]) -> Result<Claimed, StoreError> {
         // Distinct, and in one order, so concurrent transactions take the
@@ -160,7 +272,11 @@ impl Store {
 
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
-        let claimed = claim::insert(&tx, &event_ids, &self.consumer_group).await?;
+        // Both statements go out before either answer is awaited.
+        let (claimed, ()) = futures::try_join!(
+            claim::insert(&tx, &event_ids, &self.consumer_group),
+            ledger::clear(&tx, &event_ids, &self.consumer_group),
+        )?;
         let applied: Vec<&PaymentSucceeded> = claimed
             .iter()
             .filter_map(|id| distinct.get(id.as_str()).copied())

@@ -19,13 +19,14 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
 pub use stats::{Snapshot, Stats};
 
 use crate::broker::{AmqpConfig, ConnectError, Topology, TopologyError, connect_with_retry};
-use crate::store::{DatabaseConfig, Store};
+use crate::store::{DatabaseConfig, ReadyError, Store};
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
@@ -50,12 +51,15 @@ pub struct WorkerConfig {
     pub batch_wait: Duration,
     /// Most batches being applied at once.
     pub max_in_flight: usize,
+    /// Genuine failures after which a message is dead-lettered (the failure
+    /// ledger counts them; the queue's delivery limit is only a backstop).
+    pub max_attempts: u32,
     /// Bodies above this many bytes are invalid.
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight work may take before the
     /// worker closes anyway (the broker then redelivers what was not acked).
     pub shutdown_timeout: Duration,
-    /// How long to wait for the broker at start-up and after a connection loss.
+    /// How long to wait for PostgreSQL and RabbitMQ at start-up.
     pub startup_timeout: Duration,
 }
 
@@ -65,6 +69,10 @@ pub enum WorkerError {
     /// The database configuration is unusable.
     #[error(transparent)]
     Config(#[from] crate::store::ConfigError),
+    /// The database refused us, stayed unreachable past the start-up
+    /// timeout, or is not migrated.
+    #[error(transparent)]
+    Database(#[from] ReadyError),
     /// The broker refused us, or stayed unreachable past the start-up timeout.
     #[error(transparent)]
     Connect(#[from] ConnectError),
@@ -108,62 +116,87 @@ impl Worker {
     /// timeout), closes the channel and the connection, and returns `Ok`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
         let pool = self.config.database.pool()?;
+        let store = Store::new(pool, self.config.consumer_group.clone());
+        match store
+            .wait_until_ready(self.config.startup_timeout, &shutdown)
+            .await
+        {
+            Ok(()) => {}
+            Err(ReadyError::Interrupted) => return Ok(()),
+            Err(error) => return Err(error.into()),
+        }
         let processor = Arc::new(Processor {
-            store: Store::new(pool, self.config.consumer_group.clone()),
+            store,
+            max_attempts: self.config.max_attempts,
             max_body_bytes: self.config.max_body_bytes,
             health: DatabaseHealth::new(),
             stats: Arc::clone(&self.stats),
             max_hold_backoff: Duration::from_secs(5),
         });
+        // After the first connection, a lost one is retried for as long as it takes.
+        let mut patience = self.config.startup_timeout;
+        let mut pause = Pause::default();
         loop {
-            let connection = match connect_with_retry(
-                &self.config.amqp,
-                "idem worker",
-                self.config.startup_timeout,
-                &shutdown,
-            )
-            .await
-            {
-                Ok(connection) => connection,
-                Err(ConnectError::Interrupted) => return Ok(()),
-                Err(error) => return Err(error.into()),
-            };
-            let channel = match open_channel(&connection, &self.config).await {
-                Ok(channel) => channel,
-                Err(OpenError::Topology(error @ TopologyError::Mismatch { .. })) => {
-                    let _ = connection.close(200, "OK".into()).await;
-                    return Err(error.into());
-                }
-                Err(error) => {
-                    warn!(%error, "could not set up consuming: reconnecting");
-                    self.stats.reconnects(1);
-                    continue;
-                }
-            };
-            let deadline = async {
-                shutdown.cancelled().await;
-                tokio::time::sleep(self.config.shutdown_timeout).await;
-            };
-            let end = tokio::select! {
-                end = self.consume(&channel, &processor, &shutdown) => end,
-                () = deadline => {
-                    warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
-                    SessionEnd::Drained
-                }
-            };
-            match end {
+            let connection =
+                match connect_with_retry(&self.config.amqp, "idem worker", patience, &shutdown)
+                    .await
+                {
+                    Ok(connection) => connection,
+                    Err(ConnectError::Interrupted) => return Ok(()),
+                    Err(error) => return Err(error.into()),
+                };
+            patience = RECONNECT_PATIENCE;
+            let started = Instant::now();
+            let end = self.session(&connection, &processor, &shutdown).await;
+            let _ = connection.close(200, "OK".into()).await;
+            match end? {
                 SessionEnd::Drained => {
-                    let _ = channel.close(200, "OK".into()).await;
-                    let _ = connection.close(200, "OK".into()).await;
                     info!("worker stopped");
                     return Ok(());
                 }
                 SessionEnd::Lost(reason) => {
-                    warn!(%reason, "connection to RabbitMQ lost: reconnecting");
                     self.stats.reconnects(1);
+                    let wait = pause.after(started.elapsed());
+                    warn!(%reason, "lost the connection to RabbitMQ: reconnecting in {:.1}s", wait.as_secs_f64());
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        () = shutdown.cancelled() => return Ok(()),
+                    }
                 }
             }
         }
+    }
+
+    /// Declares and consumes on one connection until it fails, or until
+    /// shutdown drains it (or its deadline passes).
+    async fn session(
+        &self,
+        connection: &Connection,
+        processor: &Arc<Processor>,
+        shutdown: &CancellationToken,
+    ) -> Result<SessionEnd, WorkerError> {
+        let channel = match open_channel(connection, &self.config).await {
+            Ok(channel) => channel,
+            Err(OpenError::Topology(error @ TopologyError::Mismatch { .. })) => {
+                return Err(error.into());
+            }
+            Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
+        };
+        let deadline = async {
+            shutdown.cancelled().await;
+            tokio::time::sleep(self.config.shutdown_timeout).await;
+        };
+        let end = tokio::select! {
+            end = self.consume(&channel, processor, shutdown) => end,
+            () = deadline => {
+                warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
+                SessionEnd::Drained
+            }
+        };
+        if let SessionEnd::Drained = end {
+            let _ = channel.close(200, "OK".into()).await;
+        }
+        Ok(end)
     }
 
     /// Consumes and settles on one channel until it fails, or until
@@ -234,6 +267,30 @@ impl Worker {
             let _ = settled.await;
         }
         end
+    }
+}
+
+/// How long to keep trying to reconnect after a connection loss: as long
+/// as it takes, in practice.
+const RECONNECT_PATIENCE: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The wait before reconnecting: short after a session that ran a while,
+/// growing while sessions keep failing quickly.
+#[derive(Debug, Default)]
+struct Pause {
+    quick_failures: u32,
+}
+
+impl Pause {
+    fn after(&mut self, session_lasted: Duration) -> Duration {
+        if session_lasted > Duration::from_secs(30) {
+            self.quick_failures = 0;
+        }
+        let base = Duration::from_millis(100) * 2u32.pow(self.quick_failures.min(6));
+        self.quick_failures += 1;
+        let base = base.min(Duration::from_secs(5));
+        // Jitter: half of it fixed, half random.
+        base / 2 + base.mul_f64(fastrand::f64() / 2.0)
     }
 }
 

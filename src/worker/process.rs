@@ -2,14 +2,15 @@
 //! decide what the broker is told. All failure handling lives here.
 //!
 //! - invalid message: dead-letter at once;
-//! - this message failed: give it back, counting toward its attempts;
+//! - this message failed: count it in the failure ledger and give it back,
+//!   or dead-letter it once it has used up its attempts;
 //! - infrastructure unavailable: hold the deliveries and retry with backoff,
 //!   never spending a message's attempts on an outage.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::Retryable;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, DeliveryTag};
 use tracing::{debug, info, warn};
@@ -33,6 +34,8 @@ struct Item {
 #[derive(Debug)]
 pub(crate) struct Processor {
     pub(crate) store: Store,
+    /// Genuine failures after which a message is dead-lettered.
+    pub(crate) max_attempts: u32,
     /// Bodies above this are invalid and never parsed.
     pub(crate) max_body_bytes: usize,
     pub(crate) health: DatabaseHealth,
@@ -80,7 +83,10 @@ impl Processor {
     /// Applies `items` in one transaction; when that fails for a message
     /// reason and there is more than one, applies them one by one so that a
     /// poison message cannot hold back the others.
-    async fn apply(&self, items: Vec<Item>, settlements: &mut Vec<Settlement>) {
+    async fn apply(&self, mut items: Vec<Item>, settlements: &mut Vec<Settlement>) {
+        if items.iter().any(|item| item.redelivered) {
+            items = self.dead_letter_exhausted(items, settlements).await;
+        }
         if items.is_empty() {
             return;
         }
@@ -112,26 +118,93 @@ impl Processor {
             }
             Err(error) => {
                 for item in items {
-                    settlements.push(self.failed(item, &error));
+                    settlements.push(self.failed(item, &error).await);
                 }
             }
         }
     }
 
-    /// This message's transaction failed and rolled back.
-    fn failed(&self, item: Item, error: &StoreError) -> Settlement {
+    /// Dead-letters, without another attempt, the redelivered items whose
+    /// budget is already spent: the worker stopped after counting their last
+    /// failure and before the broker heard of it.
+    async fn dead_letter_exhausted(
+        &self,
+        items: Vec<Item>,
+        settlements: &mut Vec<Settlement>,
+    ) -> Vec<Item> {
+        let ids: Vec<&str> = items
+            .iter()
+            .filter(|item| item.redelivered)
+            .map(|item| item.event.event_id.as_str())
+            .collect();
+        let exhausted = match self
+            .until_database_answers(|| self.store.exhausted(&ids, self.max_attempts))
+            .await
+        {
+            Ok(exhausted) => exhausted,
+            // The ledger cannot be read: attempt them; a failure is counted anyway.
+            Err(_) => return items,
+        };
+        let (spent, rest): (Vec<Item>, Vec<Item>) = items
+            .into_iter()
+            .partition(|item| item.redelivered && exhausted.contains(&item.event.event_id));
+        for item in spent {
+            warn!(
+                delivery.tag = item.tag,
+                event.id = %item.event.event_id,
+                max_attempts = self.max_attempts,
+                "out of attempts before the last restart: dead-lettering it"
+            );
+            self.stats.dead_lettered(1);
+            settlements.push(Settlement {
+                tag: item.tag,
+                disposition: Disposition::DeadLetter,
+            });
+        }
+        rest
+    }
+
+    /// This message's transaction failed and rolled back: count the failure,
+    /// then give it back for another attempt or dead-letter it.
+    async fn failed(&self, item: Item, error: &StoreError) -> Settlement {
+        let text = error.to_string();
+        let failures = match self
+            .until_database_answers(|| self.store.record_failure(&item.event.event_id, &text))
+            .await
+        {
+            Ok(failures) => failures,
+            Err(ledger_error) => {
+                // Counting failed for a reason of its own; the broker's
+                // delivery limit remains the backstop.
+                warn!(event.id = %item.event.event_id, %ledger_error, "could not count the failure");
+                0
+            }
+        };
+        let disposition = if failures >= self.max_attempts {
+            self.stats.dead_lettered(1);
+            Disposition::DeadLetter
+        } else {
+            self.stats.retried(1);
+            Disposition::Retry
+        };
         warn!(
             delivery.tag = item.tag,
             delivery.redelivered = item.redelivered,
             delivery.count = item.delivery_count,
             event.id = %item.event.event_id,
+            attempt = failures,
+            max_attempts = self.max_attempts,
             %error,
-            "transaction failed: returning the message for another attempt"
+            "{}",
+            if disposition == Disposition::DeadLetter {
+                "transaction failed and the message is out of attempts: dead-lettering it"
+            } else {
+                "transaction failed: returning the message for another attempt"
+            }
         );
-        self.stats.retried(1);
         Settlement {
             tag: item.tag,
-            disposition: Disposition::Retry,
+            disposition,
         }
     }
 
@@ -143,13 +216,8 @@ impl Processor {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
-        let backoff = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(100))
-            .with_max_delay(self.max_hold_backoff)
-            .with_jitter()
-            .without_max_times();
         let result = operation
-            .retry(backoff)
+            .retry(crate::backoff::forever(self.max_hold_backoff))
             .sleep(tokio::time::sleep)
             .when(|error: &StoreError| error.kind() == FailureKind::Infrastructure)
             .notify(|error, wait| {

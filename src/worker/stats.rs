@@ -11,6 +11,7 @@ pub struct Stats {
     duplicates: AtomicU64,
     invalid: AtomicU64,
     retried: AtomicU64,
+    dead_lettered: AtomicU64,
     infrastructure_retries: AtomicU64,
     reconnects: AtomicU64,
 }
@@ -28,6 +29,8 @@ pub struct Snapshot {
     pub invalid: u64,
     /// Failed deliveries given back to the queue for another attempt.
     pub retried: u64,
+    /// Failed deliveries that used up their attempts: dead-lettered.
+    pub dead_lettered: u64,
     /// Transactions retried because the database was unavailable.
     pub infrastructure_retries: u64,
     /// Broker connections reopened after a loss.
@@ -37,7 +40,7 @@ pub struct Snapshot {
 impl Snapshot {
     /// Deliveries settled for good: acked or dead-lettered.
     pub fn finished(&self) -> u64 {
-        self.applied + self.duplicates + self.invalid
+        self.applied + self.duplicates + self.invalid + self.dead_lettered
     }
 }
 
@@ -65,6 +68,7 @@ counters!(
     duplicates,
     invalid,
     retried,
+    dead_lettered,
     infrastructure_retries,
     reconnects
 );

@@ -1,0 +1,113 @@
+//! The failure ledger: how often each event's transaction genuinely failed
+//! for a consumer group, and why, last.
+
+use std::time::SystemTime;
+
+use deadpool_postgres::{GenericClient, Transaction};
+
+/// One event's failures, as `requeue --dry-run` shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// Genuine failures recorded.
+    pub failures: i32,
+    /// When the first was recorded.
+    pub first_failed_at: SystemTime,
+    /// When the last was recorded.
+    pub last_failed_at: SystemTime,
+    /// The error of the last.
+    pub last_error: String,
+}
+
+/// Longest error text kept, in characters.
+const MAX_ERROR_CHARS: usize = 2000;
+
+const RECORD: &str = "\
+    INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, last_error) \
+    VALUES ($1, $2, 1, $3) \
+    ON CONFLICT (event_id, consumer_group) DO UPDATE \
+    SET failures = mq_failure_ledger.failures + 1, last_failed_at = now(), \
+        last_error = EXCLUDED.last_error \
+    RETURNING failures";
+
+const CLEAR: &str = "\
+    DELETE FROM mq_failure_ledger \
+    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
+
+const EXHAUSTED: &str = "\
+    SELECT event_id FROM mq_failure_ledger \
+    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]) AND failures >= $3";
+
+const ENTRY: &str = "\
+    SELECT failures, first_failed_at, last_failed_at, last_error FROM mq_failure_ledger \
+    WHERE event_id = $1 AND consumer_group = $2";
+
+const RESET: &str = "DELETE FROM mq_failure_ledger WHERE event_id = $1 AND consumer_group = $2";
+
+/// Counts one more failure of `event_id`; returns the count.
+pub(super) async fn record(
+    client: &impl GenericClient,
+    event_id: &str,
+    consumer_group: &str,
+    error: &str,
+) -> Result<i32, tokio_postgres::Error> {
+    let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
+    let statement = client.prepare_cached(RECORD).await?;
+    let row = client
+        .query_one(&statement, &[&event_id, &consumer_group, &error])
+        .await?;
+    row.try_get(0)
+}
+
+/// Forgets the failures of events that are being applied now.
+pub(super) async fn clear(
+    tx: &Transaction<'_>,
+    event_ids: &[&str],
+    consumer_group: &str,
+) -> Result<(), tokio_postgres::Error> {
+    let statement = tx.prepare_cached(CLEAR).await?;
+    tx.execute(&statement, &[&event_ids, &consumer_group])
+        .await?;
+    Ok(())
+}
+
+/// The events among `event_ids` that failed `max_failures` times or more.
+pub(super) async fn exhausted(
+    client: &impl GenericClient,
+    event_ids: &[&str],
+    consumer_group: &str,
+    max_failures: i32,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let statement = client.prepare_cached(EXHAUSTED).await?;
+    let rows = client
+        .query(&statement, &[&event_ids, &consumer_group, &max_failures])
+        .await?;
+    rows.iter().map(|row| row.try_get(0)).collect()
+}
+
+pub(super) async fn entry(
+    client: &impl GenericClient,
+    event_id: &str,
+    consumer_group: &str,
+) -> Result<Option<LedgerEntry>, tokio_postgres::Error> {
+    let row = client
+        .query_opt(ENTRY, &[&event_id, &consumer_group])
+        .await?;
+    row.map(|row| {
+        Ok(LedgerEntry {
+            failures: row.try_get(0)?,
+            first_failed_at: row.try_get(1)?,
+            last_failed_at: row.try_get(2)?,
+            last_error: row.try_get(3)?,
+        })
+    })
+    .transpose()
+}
+
+pub(super) async fn reset(
+    client: &impl GenericClient,
+    event_id: &str,
+    consumer_group: &str,
+) -> Result<(), tokio_postgres::Error> {
+    client.execute(RESET, &[&event_id, &consumer_group]).await?;
+    Ok(())
+}
