@@ -249,3 +249,128 @@ async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero() -> anyh
     assert_eq!(total, committed);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    let cases = [
+        (
+            "DATABASE_URL",
+            "postgres://postgres@127.0.0.1:5432/idem_no_such_database".to_owned(),
+            "does not exist",
+        ),
+        (
+            "IDEM_SCHEMA",
+            format!("{}_never_migrated", env.schema),
+            "run `idem migrate` first",
+        ),
+    ];
+    for (variable, value, says) in cases {
+        let mut command = idem(&env);
+        command.env(variable, &value).arg("worker");
+        let started = std::time::Instant::now();
+        let (code, _, stderr) = output(command).await?;
+        assert_eq!(code, Some(1), "{stderr}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "it waited for a refusal"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+    }
+    Ok(())
+}
+
+/// A worker holding deliveries it cannot commit: the database is cut off.
+async fn worker_holding_deliveries(
+    env: &TestEnv,
+    database: &crate::proxy::Proxy,
+    load: &[PaymentSucceeded],
+) -> anyhow::Result<crate::helpers::WorkerProcess> {
+    env.publish_events(load).await?;
+    let worker = crate::helpers::WorkerProcess::spawn(
+        env,
+        AMQP_URL,
+        &env.database_url_via(database.port),
+        &["--shutdown-timeout", "2s", "--prefetch", "10"],
+    )?;
+    wait_for("some commits", Duration::from_secs(30), || async {
+        Ok(env.records(GROUP).await? >= 5)
+    })
+    .await?;
+    database.sever();
+    wait_for(
+        "the worker to hold its deliveries",
+        Duration::from_secs(30),
+        || async { Ok(worker.log().contains("database unavailable")) },
+    )
+    .await?;
+    Ok(worker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothing()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let mut worker = worker_holding_deliveries(&env, &database, &load).await?;
+
+    worker.signal("-TERM").await?;
+    let started = std::time::Instant::now();
+    let code = worker.wait(Duration::from_secs(20)).await?;
+    let log = worker.log();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "took {:?}",
+        started.elapsed()
+    );
+    assert!(log.contains("shutdown timeout reached"), "{log}");
+
+    // What it held went back to the queue: another worker applies it all.
+    database.restore();
+    let next = crate::helpers::RunningWorker::start(env.worker_config());
+    next.wait_finished(1, Duration::from_secs(30)).await?;
+    wait_for("every event", Duration::from_secs(60), || async {
+        Ok(env.records(GROUP).await? == idem::generate::distinct_events(&load) as i64)
+    })
+    .await?;
+    next.stop().await?;
+    crate::helpers::assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let mut worker = worker_holding_deliveries(&env, &database, &load).await?;
+
+    worker.signal("-TERM").await?;
+    wait_for(
+        "the first signal to be seen",
+        Duration::from_secs(10),
+        || async { Ok(worker.log().contains("shutdown signal received")) },
+    )
+    .await?;
+    worker.signal("-INT").await?;
+    let started = std::time::Instant::now();
+    let code = worker.wait(Duration::from_secs(10)).await?;
+    assert_eq!(code, Some(130), "{}", worker.log());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    database.restore();
+    let next = crate::helpers::RunningWorker::start(env.worker_config());
+    wait_for("every event", Duration::from_secs(60), || async {
+        Ok(env.records(GROUP).await? == idem::generate::distinct_events(&load) as i64)
+    })
+    .await?;
+    next.stop().await?;
+    crate::helpers::assert_exact(&env, &load, &[]).await
+}

@@ -14,6 +14,8 @@ use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};
 fn requeue_config(env: &TestEnv, dry_run: bool) -> RequeueConfig {
     RequeueConfig {
         amqp: env.amqp.clone(),
+        database: env.database.clone(),
+        consumer_group: GROUP.into(),
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
         limit: None,
         dry_run,
@@ -115,6 +117,7 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
         || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
     )
     .await?;
+    let stats = worker.stats.snapshot();
     worker.stop().await?;
 
     // The record rolled back with the points, every time.
@@ -125,6 +128,19 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
         env.poisoned_attempts().await?,
         5,
         "attempted 5 times in all"
+    );
+    assert_eq!((stats.retried, stats.dead_lettered), (4, 1));
+    let client = env.pool.get().await?;
+    let ledger = client
+        .query_one(
+            "SELECT failures, last_error FROM mq_failure_ledger WHERE event_id = $1",
+            &[&poison.event_id],
+        )
+        .await?;
+    assert_eq!(ledger.get::<_, i32>(0), 5);
+    assert_eq!(
+        ledger.get::<_, String>(1),
+        "order 50001 is poisoned (SQLSTATE P0001)"
     );
     let letters = env.dead_letters().await?;
     assert_eq!(letters.len(), 1);
@@ -138,19 +154,37 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     assert_eq!(death.queue, env.topology.queue);
     assert_eq!(death.exchange, env.topology.exchange);
     assert_eq!(death.routing_keys, vec![env.topology.routing_key.clone()]);
+    // The worker dead-lettered it itself, long before the broker's backstop.
+    assert_eq!(death.reason, "rejected");
 
-    // A dry run lists it and moves nothing.
+    // A dry run lists it with its last error and moves nothing.
     let listed = requeue::run(&requeue_config(&env, true), &CancellationToken::new()).await?;
     assert_eq!(listed.listed.len(), 1);
     assert_eq!(listed.listed[0].event_id, "payment-success-50001");
+    let failures = listed.listed[0]
+        .failures
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("no ledger entry listed"))?;
+    assert_eq!(failures.failures, 5);
+    assert!(
+        listed
+            .to_string()
+            .contains("last error: order 50001 is poisoned"),
+        "{listed}"
+    );
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 1);
 
-    // Fixed: the replay is applied, once.
+    // Fixed: the replay gets a fresh budget and is applied, once.
     env.sql("DROP TRIGGER poison ON user_points").await?;
     let replayed = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
     assert!(replayed.succeeded(), "{replayed}");
     assert_eq!(replayed.replayed.len(), 1);
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    let ledger_rows: i64 = client
+        .query_one("SELECT count(*) FROM mq_failure_ledger", &[])
+        .await?
+        .get(0);
+    assert_eq!(ledger_rows, 0, "a replay starts a fresh budget");
     let worker = RunningWorker::start(env.worker_config());
     worker.wait_finished(1, Duration::from_secs(20)).await?;
     worker.stop().await?;

@@ -117,10 +117,41 @@ impl TestEnv {
             batch_size: 1,
             batch_wait: Duration::from_millis(5),
             max_in_flight: 4,
+            max_attempts: 5,
             max_body_bytes: 64 * 1024,
             shutdown_timeout: Duration::from_secs(10),
             startup_timeout: Duration::from_secs(10),
         }
+    }
+
+    /// The broker's URL through a proxy on `port`.
+    pub fn amqp_url_via(&self, port: u16) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+    }
+
+    /// The database's URL through a proxy on `port`, with this test's name as
+    /// `application_name` so that its sessions can be found.
+    pub fn database_url_via(&self, port: u16) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{port}/postgres?application_name={}",
+            self.name
+        )
+    }
+
+    /// `worker_config`, reaching the services through proxies where given.
+    pub fn worker_config_via(
+        &self,
+        amqp_port: Option<u16>,
+        database_port: Option<u16>,
+    ) -> WorkerConfig {
+        let mut config = self.worker_config();
+        if let Some(port) = amqp_port {
+            config.amqp.url = SecretUrl::new(self.amqp_url_via(port));
+        }
+        if let Some(port) = database_port {
+            config.database.url = SecretUrl::new(self.database_url_via(port));
+        }
+        config
     }
 
     /// Publishes events to this environment's exchange, with confirms.
@@ -520,5 +551,159 @@ impl RunningWorker {
             Ok(self.stats.snapshot().finished() >= n)
         })
         .await
+    }
+}
+
+/// The published load's distinct events each recorded once, every order at
+/// its exact total, and the dead-letter queue holding exactly `dead` (bodies).
+pub async fn assert_exact(
+    env: &TestEnv,
+    load: &[PaymentSucceeded],
+    dead: &[Vec<u8>],
+) -> anyhow::Result<()> {
+    let expected = idem::generate::expected_points(load);
+    let distinct = idem::generate::distinct_events(load) as i64;
+    assert_eq!(
+        env.doubly_recorded(GROUP).await?,
+        0,
+        "an event was recorded twice"
+    );
+    assert_eq!(
+        env.records(GROUP).await?,
+        distinct,
+        "one record per distinct event"
+    );
+    let points = env.all_points().await?;
+    let wrong: Vec<_> = expected
+        .iter()
+        .filter(|(order, total)| points.get(*order) != Some(total))
+        .map(|(order, total)| (order, total, points.get(order)))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "orders off their totals (order, expected, found): {wrong:?}"
+    );
+    let mut letters: Vec<Vec<u8>> = env
+        .dead_letters()
+        .await?
+        .into_iter()
+        .map(|l| l.body)
+        .collect();
+    letters.sort();
+    let mut dead = dead.to_vec();
+    dead.sort();
+    assert_eq!(letters, dead, "the dead-letter queue's content");
+    Ok(())
+}
+
+/// A generated load for `env`: its ids start with the test's name.
+pub fn load(
+    env: &TestEnv,
+    count: usize,
+    duplicate_ratio: f64,
+    orders: usize,
+) -> Vec<PaymentSucceeded> {
+    idem::generate::events(&idem::generate::LoadSpec {
+        count,
+        duplicate_ratio,
+        orders,
+        seed: fastrand::u64(..),
+        prefix: env.name.clone(),
+    })
+}
+
+/// `idem worker` as a real process, with its log in a file of its own.
+pub struct WorkerProcess {
+    child: tokio::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl WorkerProcess {
+    /// Starts `idem worker` on `env`'s schema and topology, reaching the
+    /// services at the given URLs (a proxy's, say), with extra arguments.
+    pub fn spawn(
+        env: &TestEnv,
+        amqp_url: &str,
+        database_url: &str,
+        args: &[&str],
+    ) -> anyhow::Result<Self> {
+        let log = std::env::temp_dir().join(format!("{}-{:08x}.log", env.name, fastrand::u32(..)));
+        let file = std::fs::File::create(&log)?;
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+            .env_clear()
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .env("AMQP_URL", amqp_url)
+            .env("DATABASE_URL", database_url)
+            .env("IDEM_SCHEMA", &env.schema)
+            .env("IDEM_EXCHANGE", &env.topology.exchange)
+            .env("IDEM_QUEUE", &env.topology.queue)
+            .env(
+                "IDEM_DEAD_LETTER_EXCHANGE",
+                &env.topology.dead_letter_exchange,
+            )
+            .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
+            .env("RUST_LOG", "info")
+            .arg("worker")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()?;
+        Ok(Self { child, log })
+    }
+
+    /// SIGKILL, and wait until it is gone.
+    pub async fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill().await?;
+        Ok(())
+    }
+
+    /// Sends `signal` (e.g. `-TERM`) and returns at once.
+    pub async fn signal(&self, signal: &str) -> anyhow::Result<()> {
+        let pid = self.child.id().context("the worker already exited")?;
+        let status = tokio::process::Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .await?;
+        anyhow::ensure!(status.success(), "kill {signal} {pid} failed");
+        Ok(())
+    }
+
+    /// Waits for it to exit, for at most `timeout`; returns its exit code.
+    pub async fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<i32>> {
+        let status = tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .with_context(|| {
+                format!(
+                    "the worker did not exit within {timeout:?}; its log:\n{}",
+                    self.log()
+                )
+            })??;
+        Ok(status.code())
+    }
+
+    /// SIGTERM, then wait; asserts a clean exit.
+    pub async fn stop(mut self) -> anyhow::Result<String> {
+        self.signal("-TERM").await?;
+        let code = self.wait(Duration::from_secs(40)).await?;
+        let log = self.log();
+        anyhow::ensure!(
+            code == Some(0),
+            "the worker exited with {code:?}; its log:\n{log}"
+        );
+        Ok(log)
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+        let _ = std::fs::remove_file(&self.log);
     }
 }

@@ -6,6 +6,8 @@
 mod binary;
 mod dead_letters;
 mod definitions;
+mod faults;
 mod helpers;
 mod idempotency;
+mod proxy;
 mod publishing;

@@ -1,0 +1,414 @@
+//! Real faults, injected: killed workers, severed connections, a database
+//! that goes away. After each, every order holds exactly what was published,
+//! each distinct event has one consume record, and the dead-letter queue
+//! holds exactly what it should.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use idem::event::PaymentSucceeded;
+
+use crate::helpers::{
+    AMQP_URL, DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, assert_exact, load,
+    wait_for,
+};
+use crate::proxy::Proxy;
+
+const RABBITMQ: &str = "127.0.0.1:5672";
+const POSTGRES: &str = "127.0.0.1:5432";
+
+fn address(text: &str) -> anyhow::Result<SocketAddr> {
+    Ok(text.parse()?)
+}
+
+/// Waits until `n` consume records exist.
+async fn wait_records(env: &TestEnv, n: i64, timeout: Duration) -> anyhow::Result<()> {
+    wait_for(&format!("{n} consume records"), timeout, || async {
+        Ok(env.records(GROUP).await? >= n)
+    })
+    .await
+}
+
+/// Waits until every distinct event of `load` is recorded and the work queue
+/// is empty.
+async fn wait_applied(
+    env: &TestEnv,
+    load: &[PaymentSucceeded],
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let distinct = idem::generate::distinct_events(load) as i64;
+    wait_records(env, distinct, timeout).await?;
+    wait_for("the work queue to drain", timeout, || async {
+        Ok(env.ready(&env.topology.queue).await? == 0)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let load = load(&env, 5000, 0.2, 50);
+    env.publish_events(&load).await?;
+
+    let mut first = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    wait_records(&env, 1000, Duration::from_secs(60)).await?;
+    first.kill().await?;
+    let at_kill = env.records(GROUP).await?;
+    assert!(
+        at_kill < idem::generate::distinct_events(&load) as i64,
+        "killed after the end"
+    );
+
+    let second = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    second.stop().await?;
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn severing_the_broker_connection_three_times_loses_nothing() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let load = load(&env, 4000, 0.2, 40);
+    env.publish_events(&load).await?;
+
+    let worker = RunningWorker::start(env.worker_config_via(Some(broker.port), None));
+    for cut in 1..=3u64 {
+        wait_records(&env, 800 * cut as i64, Duration::from_secs(60)).await?;
+        broker.sever();
+        wait_for("the worker to notice", Duration::from_secs(20), || async {
+            Ok(worker.stats.snapshot().reconnects >= cut)
+        })
+        .await?;
+        broker.restore();
+    }
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!(
+        stats.reconnects, 3,
+        "recovered by itself each time: {stats:?}"
+    );
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0));
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_thirty_second_database_outage_dead_letters_nothing_and_the_worker_resumes()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let database = Proxy::start(address(POSTGRES)?).await?;
+    let load = load(&env, 3000, 0.2, 30);
+    env.publish_events(&load).await?;
+
+    let worker = RunningWorker::start(env.worker_config_via(None, Some(database.port)));
+    wait_records(&env, 500, Duration::from_secs(60)).await?;
+    database.sever();
+    let during = env.records(GROUP).await?;
+    // The outage itself is what is under test: thirty seconds of it.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let stats = worker.stats.snapshot();
+    assert_eq!(
+        env.records(GROUP).await?,
+        during,
+        "nothing can commit during the outage"
+    );
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await?,
+        0,
+        "nothing dead-lettered"
+    );
+    assert!(
+        stats.infrastructure_retries > 0,
+        "the worker kept retrying: {stats:?}"
+    );
+    database.restore();
+
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn terminating_the_workers_database_sessions_loses_nothing() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Through a proxy only to give the sessions this test's application_name.
+    let database = Proxy::start(address(POSTGRES)?).await?;
+    let load = load(&env, 3000, 0.2, 30);
+    env.publish_events(&load).await?;
+
+    let worker = RunningWorker::start(env.worker_config_via(None, Some(database.port)));
+    let mut terminated = 0;
+    for round in 1..=5 {
+        wait_records(&env, 400 * round, Duration::from_secs(60)).await?;
+        let client = env.pool.get().await?;
+        terminated += client
+            .query(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+                &[&env.name],
+            )
+            .await?
+            .len();
+    }
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert!(terminated >= 5, "sessions were terminated: {terminated}");
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_workers_are_killed()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let mut messages = load(&env, 2000, 0.1, 20);
+    let poison = PaymentSucceeded {
+        event_id: format!("{}-poison", env.name),
+        order_id: "poison-order".into(),
+        points: 1,
+    };
+    messages.insert(700, poison.clone());
+    env.publish_events(&messages).await?;
+    let good: Vec<PaymentSucceeded> = messages.iter().filter(|e| **e != poison).cloned().collect();
+
+    for kill_at in [400, 1000] {
+        let mut worker = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+        wait_records(&env, kill_at, Duration::from_secs(60)).await?;
+        worker.kill().await?;
+    }
+    let worker = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    wait_applied(&env, &good, Duration::from_secs(90)).await?;
+    wait_for(
+        "the poison message in the dead-letter queue",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
+    )
+    .await?;
+    worker.stop().await?;
+    assert_exact(&env, &good, &[poison.to_body()]).await?;
+
+    let client = env.pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT failures, last_error FROM mq_failure_ledger WHERE event_id = $1",
+            &[&poison.event_id],
+        )
+        .await?;
+    let (failures, last_error): (i32, String) = (row.get(0), row.get(1));
+    assert_eq!(
+        failures, 5,
+        "dead-lettered after exactly the configured attempts"
+    );
+    assert!(last_error.contains("poisoned"), "{last_error}");
+    // A kill can land between a failed transaction and its count: that
+    // attempt ran but is not counted, so the trigger may have run once more
+    // per kill, never less than the budget.
+    let ran = env.poisoned_attempts().await?;
+    assert!(
+        (5..=7).contains(&ran),
+        "the failing transaction ran {ran} times"
+    );
+
+    let listing = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env("AMQP_URL", AMQP_URL)
+        .env("DATABASE_URL", DATABASE_URL)
+        .env("IDEM_SCHEMA", &env.schema)
+        .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
+        .args(["requeue", "--dry-run"])
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&listing.stdout);
+    assert!(listing.status.success(), "{stdout}");
+    assert!(stdout.contains(&poison.event_id), "{stdout}");
+    assert!(
+        stdout.contains("failed 5 time(s), last error: order poison-order is poisoned"),
+        "{stdout}"
+    );
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await?,
+        1,
+        "a dry run moves nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_events_exactly()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let load = load(&env, 20_000, 0.2, 200);
+    env.publish_events(&load).await?;
+    let distinct = idem::generate::distinct_events(&load) as i64;
+
+    let mut workers: Vec<WorkerProcess> = (0..3)
+        .map(|_| WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[]))
+        .collect::<anyhow::Result<_>>()?;
+    let mut kills = 0;
+    let mut next = distinct / 8;
+    while next < distinct * 7 / 8 {
+        wait_records(&env, next, Duration::from_secs(90)).await?;
+        let victim = fastrand::usize(..workers.len());
+        workers[victim].kill().await?;
+        workers[victim] = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+        kills += 1;
+        next += distinct / 8 + fastrand::i64(0..distinct / 16);
+    }
+    wait_applied(&env, &load, Duration::from_secs(120)).await?;
+    for worker in workers {
+        worker.stop().await?;
+    }
+    assert!(kills >= 4, "{kills} kills");
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_started_before_its_services_answer_connects_once_they_do() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let broker = Proxy::start_closed(address(RABBITMQ)?).await?;
+    let database = Proxy::start_closed(address(POSTGRES)?).await?;
+    let worker =
+        RunningWorker::start(env.worker_config_via(Some(broker.port), Some(database.port)));
+
+    // Both services are down for a while: that is the point of the test.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    database.restore();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.restore();
+
+    let load = load(&env, 200, 0.2, 5);
+    env.publish_events(&load).await?;
+    wait_applied(&env, &load, Duration::from_secs(30)).await?;
+    worker.stop().await?;
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let load = load(&env, 20_000, 0.1, 100);
+    let messages: Vec<idem::broker::Outgoing> = load
+        .iter()
+        .map(|event| idem::broker::Outgoing {
+            exchange: env.topology.exchange.clone(),
+            routing_key: env.topology.routing_key.clone(),
+            body: event.to_body(),
+            properties: idem::broker::json_properties(),
+        })
+        .collect();
+    let amqp = idem::broker::AmqpConfig {
+        url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
+    };
+    let options = idem::broker::PublishOptions {
+        window: 256,
+        patience: Duration::from_secs(20),
+    };
+    let publishing = tokio::spawn(async move {
+        idem::broker::publish_all(
+            &amqp,
+            &messages,
+            &options,
+            &tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+    });
+    wait_for(
+        "publishing to be under way",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.queue).await? >= 4000) },
+    )
+    .await?;
+    broker.cut();
+    let report = publishing.await??;
+    assert!(report.reconnects >= 1, "{report:?}");
+    assert!(report.all_confirmed(), "{report:?}");
+    assert_eq!(report.confirmed, load.len());
+    // At least everything arrived; what was resent may have arrived twice.
+    let queued = env.ready(&env.topology.queue).await? as usize;
+    assert!(
+        (load.len()..=load.len() + report.resent).contains(&queued),
+        "{queued} queued, {report:?}"
+    );
+
+    let worker = RunningWorker::start(env.worker_config());
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    worker.stop().await?;
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let bodies: Vec<Vec<u8>> = (0..1500)
+        .map(|i| format!("invalid message {i}").into_bytes())
+        .collect();
+    env.publish_bodies(&bodies).await?;
+    let worker = RunningWorker::start(env.worker_config());
+    worker
+        .wait_finished(bodies.len() as u64, Duration::from_secs(60))
+        .await?;
+    worker.stop().await?;
+    wait_for("the dead letters", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? as usize == bodies.len())
+    })
+    .await?;
+
+    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let config = idem::commands::requeue::RequeueConfig {
+        amqp: idem::broker::AmqpConfig {
+            url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
+        },
+        database: env.database.clone(),
+        consumer_group: GROUP.into(),
+        dead_letter_queue: env.topology.dead_letter_queue.clone(),
+        limit: None,
+        dry_run: false,
+        patience: Duration::from_secs(20),
+    };
+    let replaying = tokio::spawn(async move {
+        idem::commands::requeue::run(&config, &tokio_util::sync::CancellationToken::new()).await
+    });
+    wait_for(
+        "replaying to be under way",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.queue).await? >= 300) },
+    )
+    .await?;
+    broker.cut();
+    let report = replaying.await??;
+    assert!(report.succeeded(), "{report}");
+    assert_eq!(report.reconnects, 1, "the cut landed mid-way");
+    // A replay confirmed but not acked before the cut is replayed again.
+    assert!(
+        (1500..=1501).contains(&report.replayed.len()),
+        "{} replayed",
+        report.replayed.len()
+    );
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+
+    // Every dead letter is back in its work queue, at most one of them twice.
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    let mut replayed = Vec::new();
+    while let Some(message) = channel
+        .basic_get(
+            env.topology.queue.as_str().into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await?
+    {
+        replayed.push(message.delivery.data);
+    }
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    replayed.sort();
+    replayed.dedup();
+    let mut expected = bodies;
+    expected.sort();
+    assert_eq!(replayed, expected);
+    Ok(())
+}
