@@ -9,7 +9,7 @@ use tokio::process::Command;
 use idem::event::PaymentSucceeded;
 use idem::store::migrate;
 
-use crate::helpers::{AMQP_URL, DATABASE_URL, GROUP, TestEnv, wait_for};
+use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, wait_for};
 
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 
@@ -19,7 +19,7 @@ fn idem(env: &TestEnv) -> Command {
     command
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("AMQP_URL", AMQP_URL)
+        .env("AMQP_URL", amqp_url())
         .env("DATABASE_URL", DATABASE_URL)
         .env("IDEM_SCHEMA", &env.schema)
         .env("IDEM_EXCHANGE", &env.topology.exchange)
@@ -80,11 +80,17 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     for url in [
-        "amqp://guest:not-the-password@127.0.0.1:5672/%2f",
-        "amqp://guest:guest@127.0.0.1:5672/no-such-vhost-for-idem",
+        format!(
+            "amqp://guest:not-the-password@127.0.0.1:{}/%2f",
+            amqp_port()
+        ),
+        format!(
+            "amqp://guest:guest@127.0.0.1:{}/no-such-vhost-for-idem",
+            amqp_port()
+        ),
     ] {
         let mut command = idem(&env);
-        command.env("AMQP_URL", url).arg("worker");
+        command.env("AMQP_URL", &url).arg("worker");
         let started = std::time::Instant::now();
         let (code, _, stderr) = output(command).await?;
         assert_eq!(code, Some(1), "{stderr}");
@@ -291,7 +297,7 @@ async fn worker_holding_deliveries(
     env.publish_events(load).await?;
     let worker = crate::helpers::WorkerProcess::spawn(
         env,
-        AMQP_URL,
+        &amqp_url(),
         &env.database_url_via(database.port),
         &["--shutdown-timeout", "2s", "--prefetch", "10"],
     )?;

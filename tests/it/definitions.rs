@@ -1,8 +1,8 @@
 //! `rabbit-definitions.json` describes exactly what the worker declares.
 
-use std::process::Command;
-
 use anyhow::{Context, bail};
+use std::time::Duration;
+
 use serde_json::Value;
 
 use idem::broker::{AmqpConfig, Topology, TopologyError, connect};
@@ -57,7 +57,7 @@ fn the_definitions_file_defines_the_user_vhost_and_permissions_the_worker_needs(
 }
 
 fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
-    let output = Command::new("rabbitmqctl")
+    let output = crate::helpers::rabbitmqctl()
         .args(args)
         .output()
         .context("running rabbitmqctl")?;
@@ -99,15 +99,43 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
             entry["vhost"] = Value::String(vhost.0.clone());
         }
     }
-    let path = std::env::temp_dir().join(format!("{}.json", vhost.0));
-    std::fs::write(&path, serde_json::to_vec(&file)?)?;
-    let imported = rabbitmqctl(&["import_definitions", &path.to_string_lossy()]);
-    let _ = std::fs::remove_file(&path);
+    // The CLI reads the file; IDEM_TEST_RABBITMQ_ROOT says where its
+    // filesystem starts when it runs in a chroot (the rabbit4 tool's).
+    let root = std::env::var("IDEM_TEST_RABBITMQ_ROOT").unwrap_or_else(|_| "/".into());
+    let inside = format!("/tmp/{}.json", vhost.0);
+    let outside = std::path::Path::new(&root).join(inside.trim_start_matches('/'));
+    std::fs::write(&outside, serde_json::to_vec(&file)?)?;
+    let imported = rabbitmqctl(&["import_definitions", &inside]);
+    let _ = std::fs::remove_file(&outside);
     imported?;
+    // The import finishes in the background: wait until its queues exist,
+    // or the worker would declare them first and meet nothing.
+    let defaults = Topology::default();
+    crate::helpers::wait_for("the import", Duration::from_secs(30), || async {
+        let listed = crate::helpers::rabbitmqctl()
+            .args([
+                "list_queues",
+                "-q",
+                "--no-table-headers",
+                "-p",
+                &vhost.0,
+                "name",
+            ])
+            .output()?;
+        let names = String::from_utf8_lossy(&listed.stdout);
+        Ok([&defaults.queue, &defaults.dead_letter_queue]
+            .iter()
+            .all(|queue| names.lines().any(|line| line.trim() == queue.as_str())))
+    })
+    .await?;
     rabbitmqctl(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
 
     let amqp = AmqpConfig {
-        url: SecretUrl::new(format!("amqp://guest:guest@127.0.0.1:5672/{}", vhost.0)),
+        url: SecretUrl::new(format!(
+            "amqp://guest:guest@127.0.0.1:{}/{}",
+            crate::helpers::amqp_port(),
+            vhost.0
+        )),
     };
     let connection = connect(&amqp, "idem definitions test").await?;
     let channel = connection.create_channel().await?;

@@ -9,16 +9,19 @@ use std::time::Duration;
 use idem::event::PaymentSucceeded;
 
 use crate::helpers::{
-    AMQP_URL, DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, assert_exact, load,
-    wait_for,
+    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_port, amqp_url, assert_exact,
+    load, wait_for,
 };
 use crate::proxy::Proxy;
 
-const RABBITMQ: &str = "127.0.0.1:5672";
 const POSTGRES: &str = "127.0.0.1:5432";
 
 fn address(text: &str) -> anyhow::Result<SocketAddr> {
     Ok(text.parse()?)
+}
+
+fn rabbitmq() -> anyhow::Result<SocketAddr> {
+    address(&format!("127.0.0.1:{}", amqp_port()))
 }
 
 /// Waits until `n` consume records exist.
@@ -50,7 +53,7 @@ async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice() -> 
     let load = load(&env, 5000, 0.2, 50);
     env.publish_events(&load).await?;
 
-    let mut first = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    let mut first = WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[])?;
     wait_records(&env, 1000, Duration::from_secs(60)).await?;
     first.kill().await?;
     let at_kill = env.records(GROUP).await?;
@@ -59,7 +62,7 @@ async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice() -> 
         "killed after the end"
     );
 
-    let second = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    let second = WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[])?;
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
     second.stop().await?;
     assert_exact(&env, &load, &[]).await
@@ -68,7 +71,7 @@ async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn severing_the_broker_connection_three_times_loses_nothing() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let broker = Proxy::start(rabbitmq()?).await?;
     let load = load(&env, 4000, 0.2, 40);
     env.publish_events(&load).await?;
 
@@ -176,11 +179,11 @@ async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_wor
     let good: Vec<PaymentSucceeded> = messages.iter().filter(|e| **e != poison).cloned().collect();
 
     for kill_at in [400, 1000] {
-        let mut worker = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+        let mut worker = WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[])?;
         wait_records(&env, kill_at, Duration::from_secs(60)).await?;
         worker.kill().await?;
     }
-    let worker = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+    let worker = WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[])?;
     wait_applied(&env, &good, Duration::from_secs(90)).await?;
     wait_for(
         "the poison message in the dead-letter queue",
@@ -214,7 +217,7 @@ async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_wor
     );
 
     let listing = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-        .env("AMQP_URL", AMQP_URL)
+        .env("AMQP_URL", amqp_url())
         .env("DATABASE_URL", DATABASE_URL)
         .env("IDEM_SCHEMA", &env.schema)
         .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
@@ -245,7 +248,7 @@ async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_even
     let distinct = idem::generate::distinct_events(&load) as i64;
 
     let mut workers: Vec<WorkerProcess> = (0..3)
-        .map(|_| WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[]))
+        .map(|_| WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[]))
         .collect::<anyhow::Result<_>>()?;
     let mut kills = 0;
     let mut next = distinct / 8;
@@ -253,7 +256,7 @@ async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_even
         wait_records(&env, next, Duration::from_secs(90)).await?;
         let victim = fastrand::usize(..workers.len());
         workers[victim].kill().await?;
-        workers[victim] = WorkerProcess::spawn(&env, AMQP_URL, DATABASE_URL, &[])?;
+        workers[victim] = WorkerProcess::spawn(&env, &amqp_url(), DATABASE_URL, &[])?;
         kills += 1;
         next += distinct / 8 + fastrand::i64(0..distinct / 16);
     }
@@ -268,7 +271,7 @@ async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_even
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_started_before_its_services_answer_connects_once_they_do() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start_closed(address(RABBITMQ)?).await?;
+    let broker = Proxy::start_closed(rabbitmq()?).await?;
     let database = Proxy::start_closed(address(POSTGRES)?).await?;
     let worker =
         RunningWorker::start(env.worker_config_via(Some(broker.port), Some(database.port)));
@@ -289,7 +292,7 @@ async fn a_worker_started_before_its_services_answer_connects_once_they_do() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let broker = Proxy::start(rabbitmq()?).await?;
     let load = load(&env, 20_000, 0.1, 100);
     let messages: Vec<idem::broker::Outgoing> = load
         .iter()
@@ -357,7 +360,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     })
     .await?;
 
-    let broker = Proxy::start(address(RABBITMQ)?).await?;
+    let broker = Proxy::start(rabbitmq()?).await?;
     let config = idem::commands::requeue::RequeueConfig {
         amqp: idem::broker::AmqpConfig {
             url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),

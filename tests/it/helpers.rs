@@ -27,7 +27,29 @@ use idem::secret::SecretUrl;
 use idem::store::{DatabaseConfig, migrate};
 use idem::worker::{Stats, Worker, WorkerConfig, WorkerError};
 
-pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The broker's AMQP port: 5672 unless `IDEM_TEST_AMQP_PORT` says
+/// otherwise (to run the suite against a second broker, RabbitMQ 4 say).
+pub fn amqp_port() -> u16 {
+    std::env::var("IDEM_TEST_AMQP_PORT")
+        .ok()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or(5672)
+}
+
+/// The broker as guest, on `/`.
+pub fn amqp_url() -> String {
+    format!("amqp://guest:guest@127.0.0.1:{}/%2f", amqp_port())
+}
+
+/// `rabbitmqctl` for that broker: `IDEM_TEST_RABBITMQCTL` (split on white
+/// space) or `rabbitmqctl`.
+pub fn rabbitmqctl() -> std::process::Command {
+    let line = std::env::var("IDEM_TEST_RABBITMQCTL").unwrap_or_else(|_| "rabbitmqctl".into());
+    let mut words = line.split_whitespace();
+    let mut command = std::process::Command::new(words.next().unwrap_or("rabbitmqctl"));
+    command.args(words);
+    command
+}
 pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const GROUP: &str = "points-consumer-group";
 
@@ -66,7 +88,7 @@ impl TestEnv {
         migrate::run(&pool, Some(&schema)).await?;
         let topology = Topology::prefixed(&format!("{}.", name.replace('_', "-")));
         let amqp = AmqpConfig {
-            url: SecretUrl::new(AMQP_URL),
+            url: SecretUrl::new(amqp_url()),
         };
         let env = Self {
             name,
@@ -387,7 +409,7 @@ async fn remove(
 ) -> anyhow::Result<()> {
     if !queues.is_empty() || !exchanges.is_empty() {
         let amqp = AmqpConfig {
-            url: SecretUrl::new(AMQP_URL),
+            url: SecretUrl::new(amqp_url()),
         };
         let connection = connect(&amqp, "idem test cleanup").await?;
         let channel = connection.create_channel().await?;
@@ -453,7 +475,7 @@ fn is_orphan(name: &str) -> bool {
 
 async fn sweep() -> anyhow::Result<()> {
     let list = |what: &str| -> Vec<String> {
-        std::process::Command::new("rabbitmqctl")
+        rabbitmqctl()
             .args([what, "-q", "--no-table-headers", "name"])
             .output()
             .ok()
@@ -475,9 +497,7 @@ async fn sweep() -> anyhow::Result<()> {
         .filter(|n| is_orphan(n))
         .collect();
     for vhost in list("list_vhosts").into_iter().filter(|n| is_orphan(n)) {
-        let _ = std::process::Command::new("rabbitmqctl")
-            .args(["delete_vhost", &vhost])
-            .output();
+        let _ = rabbitmqctl().args(["delete_vhost", &vhost]).output();
     }
     let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
