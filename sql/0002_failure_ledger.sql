@@ -5,8 +5,8 @@
 -- after the failed one rolled back, and deleted by the transaction that
 -- finally applies the event.
 CREATE TABLE mq_failure_ledger (
-    event_id        VARCHAR(128) NOT NULL,
-    consumer_group  VARCHAR(64)  NOT NULL,
+    event_id        VARCHAR(128) COLLATE "C" NOT NULL,
+    consumer_group  VARCHAR(64)  COLLATE "C" NOT NULL,
     failures        INTEGER      NOT NULL,
     first_failed_at TIMESTAMPTZ  NOT NULL DEFAULT now(),
     last_failed_at  TIMESTAMPTZ  NOT NULL DEFAULT now(),

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::broker::{AmqpConfig, PublishOptions, Topology};
+use crate::commands::bench::BenchConfig;
 use crate::commands::publish::{PublishConfig, Source};
 use crate::commands::requeue::RequeueConfig;
 use crate::event::PaymentSucceeded;
@@ -14,7 +15,7 @@ use crate::generate::LoadSpec;
 use crate::secret::SecretUrl;
 use crate::store::DatabaseConfig;
 use crate::telemetry::LogFormat;
-use crate::worker::WorkerConfig;
+use crate::worker::{Mode, WorkerConfig};
 
 /// Longest consumer group: `mq_consume_record.consumer_group`.
 const MAX_CONSUMER_GROUP_CHARS: usize = 64;
@@ -65,6 +66,8 @@ pub enum Command {
     Requeue(RequeueArgs),
     /// Run the whole story on local services, on data of its own, and report.
     Demo,
+    /// Measure throughput against the broker's ceiling, on data of its own.
+    Bench(BenchArgs),
 }
 
 /// Where RabbitMQ and PostgreSQL are.
@@ -146,21 +149,24 @@ pub struct WorkerArgs {
     /// Genuine failures (counted in the failure ledger) after which a message is dead-lettered.
     #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub max_attempts: u32,
-    /// Most unacknowledged deliveries in this worker.
-    #[arg(long, env = "IDEM_PREFETCH", default_value_t = 32, value_parser = clap::value_parser!(u16).range(1..))]
-    pub prefetch: u16,
-    /// Most deliveries applied in one transaction (1: one transaction per message).
-    #[arg(long, env = "IDEM_BATCH_SIZE", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub batch_size: u32,
-    /// How long a batch waits for more deliveries after its first.
+    /// `batch`: many deliveries per transaction; `per-message`: one transaction per delivery.
+    #[arg(long, env = "IDEM_MODE", value_enum, default_value_t = Mode::Batch)]
+    pub mode: Mode,
+    /// Most unacknowledged deliveries in this worker [default: 1000 in batch mode, 64 per message].
+    #[arg(long, env = "IDEM_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: Option<u16>,
+    /// Batch mode: most deliveries in one transaction [default: 200].
+    #[arg(long, env = "IDEM_BATCH_SIZE", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch_size: Option<u32>,
+    /// Batch mode: how long a batch waits for more deliveries after its first.
     #[arg(long, env = "IDEM_BATCH_WAIT", default_value = "5ms", value_parser = parse_duration)]
     pub batch_wait: Duration,
-    /// Most transactions in flight at once.
-    #[arg(long, env = "IDEM_MAX_IN_FLIGHT", default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub max_in_flight: u32,
-    /// Most PostgreSQL connections.
-    #[arg(long, env = "IDEM_POOL_SIZE", default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub pool_size: u32,
+    /// Most transactions in flight at once [default: 3 in batch mode, 16 per message].
+    #[arg(long, env = "IDEM_MAX_IN_FLIGHT", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_in_flight: Option<u32>,
+    /// Most PostgreSQL connections [default: transactions in flight + 2].
+    #[arg(long, env = "IDEM_POOL_SIZE", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub pool_size: Option<u32>,
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
     #[arg(long, env = "IDEM_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
     pub max_body_bytes: usize,
@@ -217,6 +223,49 @@ pub struct RequeueArgs {
     /// List what would be replayed (event, reason, count, time); move nothing.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+/// `idem bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Messages per run, duplicates included.
+    #[arg(long, default_value_t = 200_000)]
+    pub messages: usize,
+    /// Share of duplicates in the load.
+    #[arg(long, default_value_t = 0.1, value_parser = parse_ratio)]
+    pub duplicate_ratio: f64,
+    /// Orders the events are spread over.
+    #[arg(long, default_value_t = 1000)]
+    pub orders: usize,
+    /// Prefetch of every consumer measured.
+    #[arg(long, default_value_t = Mode::Batch.tuning().prefetch)]
+    pub prefetch: u16,
+    /// Batch mode: deliveries per transaction.
+    #[arg(long, default_value_t = Mode::Batch.tuning().batch_size)]
+    pub batch_size: usize,
+    /// Batch mode: wait for a batch to fill.
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    pub batch_wait: Duration,
+    /// Batch mode: transactions in flight.
+    #[arg(long, default_value_t = Mode::Batch.tuning().max_in_flight)]
+    pub batch_in_flight: usize,
+    /// Per-message mode: transactions in flight.
+    #[arg(long, default_value_t = Mode::PerMessage.tuning().max_in_flight)]
+    pub per_message_in_flight: usize,
+    /// Rounds; medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Also run pgbench with per-message mode's transaction at 16 clients.
+    #[arg(long)]
+    pub pgbench: bool,
+    /// What to measure.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "ceiling,per-message,batch"
+    )]
+    pub modes: Vec<crate::commands::bench::Mode>,
 }
 
 /// A setting that parsed but makes no sense.
@@ -276,15 +325,29 @@ impl Cli {
                 self.topology.delivery_limit, args.max_attempts
             )));
         }
+        let tuning = args.mode.tuning();
+        let batch_size = match (args.mode, args.batch_size) {
+            (Mode::PerMessage, Some(size)) if size != 1 => {
+                return Err(SettingError(format!(
+                    "--batch-size ({size}) applies to batch mode; per-message mode applies one delivery per transaction"
+                )));
+            }
+            (_, size) => size.map_or(tuning.batch_size, |size| size as usize),
+        };
+        let max_in_flight = args
+            .max_in_flight
+            .map_or(tuning.max_in_flight, |n| n as usize);
+        // The extra connections serve the failure ledger while transactions hold the others.
+        let pool_size = args.pool_size.map_or(max_in_flight + 2, |n| n as usize);
         Ok(WorkerConfig {
             amqp: self.amqp(),
-            database: self.database(args.pool_size as usize),
+            database: self.database(pool_size),
             topology: self.topology(),
             consumer_group: self.consumer_group()?,
-            prefetch: args.prefetch,
-            batch_size: args.batch_size as usize,
+            prefetch: args.prefetch.unwrap_or(tuning.prefetch),
+            batch_size,
             batch_wait: args.batch_wait,
-            max_in_flight: args.max_in_flight as usize,
+            max_in_flight,
             max_attempts: args.max_attempts,
             max_body_bytes: args.max_body_bytes,
             shutdown_timeout: args.shutdown_timeout,
@@ -338,6 +401,29 @@ impl Cli {
             })
         };
         Ok((config, source))
+    }
+
+    /// Settings of `idem bench`.
+    pub fn bench(&self, args: &BenchArgs) -> Result<BenchConfig, SettingError> {
+        let worker_binary = std::env::current_exe().map_err(|e| {
+            SettingError(format!("cannot find the idem binary to run workers: {e}"))
+        })?;
+        Ok(BenchConfig {
+            amqp: self.amqp(),
+            database: self.database(2),
+            messages: args.messages,
+            duplicate_ratio: args.duplicate_ratio,
+            orders: args.orders,
+            prefetch: args.prefetch,
+            batch_size: args.batch_size,
+            batch_wait: args.batch_wait,
+            batch_in_flight: args.batch_in_flight,
+            per_message_in_flight: args.per_message_in_flight,
+            rounds: args.rounds.max(1),
+            pgbench: args.pgbench,
+            modes: args.modes.clone(),
+            worker_binary,
+        })
     }
 
     /// Settings of `idem requeue`.

@@ -4,6 +4,8 @@
 //! Invalid means that retrying cannot help, so the worker dead-letters the
 //! message at once. Validation mirrors the columns the event lands in.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
 /// Longest `eventId` accepted, in characters: `mq_consume_record.event_id`.
@@ -61,12 +63,15 @@ pub enum InvalidMessage {
     PointsOutOfRange(String),
 }
 
-/// The body as it arrives, before the contract's rules are checked.
+/// The body as it arrives, before the contract's rules are checked; text
+/// is borrowed from the body unless it holds escapes.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct Raw {
-    event_id: Option<String>,
-    order_id: Option<String>,
+struct Raw<'a> {
+    #[serde(borrow)]
+    event_id: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    order_id: Option<Cow<'a, str>>,
     points: Option<serde_json::Number>,
 }
 
@@ -101,16 +106,35 @@ impl PaymentSucceeded {
     }
 }
 
+/// Checks a text field: present, not blank, within its column, no control
+/// characters.
 fn text(
     field: &'static str,
-    value: Option<String>,
+    value: Option<Cow<'_, str>>,
     limit: usize,
 ) -> Result<String, InvalidMessage> {
     let value = value.ok_or(InvalidMessage::Missing(field))?;
-    if value.trim().is_empty() {
+    let (chars, control, blank) = if value.is_ascii() {
+        // The common case, byte by byte.
+        let bytes = value.as_bytes();
+        (
+            bytes.len(),
+            bytes.iter().any(u8::is_ascii_control),
+            bytes.iter().all(u8::is_ascii_whitespace),
+        )
+    } else {
+        (
+            value.chars().count(),
+            value.chars().any(char::is_control),
+            value.chars().all(char::is_whitespace),
+        )
+    };
+    if control {
+        return Err(InvalidMessage::ControlCharacter(field));
+    }
+    if blank {
         return Err(InvalidMessage::Empty(field));
     }
-    let chars = value.chars().count();
     if chars > limit {
         return Err(InvalidMessage::TooLong {
             field,
@@ -118,10 +142,7 @@ fn text(
             limit,
         });
     }
-    if value.chars().any(char::is_control) {
-        return Err(InvalidMessage::ControlCharacter(field));
-    }
-    Ok(value)
+    Ok(value.into_owned())
 }
 
 fn points(value: Option<serde_json::Number>) -> Result<i64, InvalidMessage> {

@@ -108,3 +108,16 @@ pub async fn connect_with_retry(
         () = shutdown.cancelled() => Err(ConnectError::Interrupted),
     }
 }
+
+/// Closes `connection` cleanly if it is still open; gives up after a few
+/// seconds (a connection that just broke may never answer the close).
+pub async fn close(connection: &Connection) {
+    let closing = connection.close(200, "OK".into());
+    let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+}
+
+/// Closes `channel` cleanly if it is still open; gives up after a few seconds.
+pub async fn close_channel(channel: &lapin::Channel) {
+    let closing = channel.close(200, "OK".into());
+    let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+}

@@ -6,7 +6,7 @@ pub mod death;
 mod publisher;
 mod topology;
 
-pub use connection::{AmqpConfig, ConnectError, connect, connect_with_retry};
+pub use connection::{AmqpConfig, ConnectError, close, close_channel, connect, connect_with_retry};
 pub use publisher::{
     ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, json_properties, publish_all,
     settle,

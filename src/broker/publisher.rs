@@ -11,7 +11,7 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use super::connection::{AmqpConfig, ConnectError, connect_with_retry};
+use super::connection::{AmqpConfig, ConnectError, close, close_channel, connect_with_retry};
 
 /// A message to publish.
 #[derive(Debug, Clone)]
@@ -172,13 +172,13 @@ pub async fn publish_all(
                 };
                 let lost = batch.publish_on(&channel, options.window, shutdown).await;
                 if lost.is_none() {
-                    let _ = channel.channel().close(200, "OK".into()).await;
+                    close_channel(channel.channel()).await;
                 }
                 lost
             }
             Err(error) => Some(error),
         };
-        let _ = connection.close(200, "OK".into()).await;
+        close(&connection).await;
         match lost {
             Some(error) if !shutdown.is_cancelled() => {
                 warn!(%error, unconfirmed = todo.len(), "connection to RabbitMQ lost while publishing; reconnecting");

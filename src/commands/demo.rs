@@ -12,7 +12,8 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{
-    AmqpConfig, Outgoing, PublishOptions, Topology, connect, json_properties, publish_all,
+    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, json_properties,
+    publish_all,
 };
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, migrate};
@@ -169,8 +170,8 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
             FieldTable::default(),
         )
         .await?;
-    let _ = channel.close(200, "OK".into()).await;
-    let _ = connection.close(200, "OK".into()).await;
+    close_channel(&channel).await;
+    close(&connection).await;
     Ok(DemoReport {
         published: messages.len(),
         events,
@@ -198,8 +199,8 @@ async fn reset_topology(amqp: &AmqpConfig, topology: &Topology) -> anyhow::Resul
             .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
     }
     topology.declare(&channel).await?;
-    let _ = channel.close(200, "OK".into()).await;
-    let _ = connection.close(200, "OK".into()).await;
+    close_channel(&channel).await;
+    close(&connection).await;
     Ok(())
 }
 

@@ -1,6 +1,7 @@
 //! One module per subcommand that is more than a call into the library.
 //! Each takes typed settings and returns a report for `main` to print.
 
+pub mod bench;
 pub mod demo;
 pub mod publish;
 pub mod requeue;

@@ -16,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use crate::broker::death::{Death, replay_headers, replays};
-use crate::broker::{AmqpConfig, ConfirmChannel, Outgoing, connect_with_retry};
+use crate::broker::{
+    AmqpConfig, ConfirmChannel, Outgoing, close, close_channel, connect_with_retry,
+};
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
 
@@ -86,9 +88,6 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
         dry_run: config.dry_run,
         ..Report::default()
     };
-    // Messages in the queue at the start; those dead-lettered while we run
-    // (a replay that fails again, say) are left for the next run.
-    let mut remaining: Option<usize> = config.limit;
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     loop {
         let connection =
@@ -96,12 +95,12 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
         let pass = Pass {
             config,
             store: &store,
-            remaining: &mut remaining,
+            remaining: None,
             report: &mut report,
             held: Vec::new(),
         };
         let result = pass.run(&connection, shutdown).await;
-        let _ = connection.close(200, "OK".into()).await;
+        close(&connection).await;
         match result {
             Ok(()) => {
                 if config.dry_run {
@@ -152,8 +151,11 @@ enum PassError {
 struct Pass<'a> {
     config: &'a RequeueConfig,
     store: &'a Store,
-    /// How many more messages may be taken; `None` until the queue's length is known.
-    remaining: &'a mut Option<usize>,
+    /// How many more messages may be taken: at most what was in the queue
+    /// when the pass started (those dead-lettered while it runs, a replay
+    /// that fails again say, are left for the next run), and the limit.
+    /// `None` until either is known.
+    remaining: Option<usize>,
     report: &'a mut Report,
     /// Tags of messages taken but left in the queue (failed, or listed).
     held: Vec<DeliveryTag>,
@@ -167,13 +169,15 @@ impl Pass<'_> {
     ) -> Result<(), PassError> {
         let getter = connection.create_channel().await?;
         let publisher = ConfirmChannel::open(connection).await?;
-        // Failures from an earlier pass are back in the queue and are tried again.
-        if let Some(remaining) = self.remaining.as_mut() {
-            *remaining += self.report.failed.len() + self.report.listed.len();
-        }
+        // Each pass counts the queue again: what an earlier pass could not
+        // replay, or replayed without its ack reaching the broker, is back.
+        self.remaining = self
+            .config
+            .limit
+            .map(|limit| limit.saturating_sub(self.report.replayed.len()));
         self.report.failed.clear();
         self.report.listed.clear();
-        while *self.remaining != Some(0) && !shutdown.is_cancelled() {
+        while self.remaining != Some(0) && !shutdown.is_cancelled() {
             let Some(message) = getter
                 .basic_get(
                     self.config.dead_letter_queue.as_str().into(),
@@ -186,13 +190,7 @@ impl Pass<'_> {
             let in_queue = message.message_count as usize + 1;
             let remaining = self.remaining.get_or_insert(in_queue);
             *remaining = (*remaining).min(in_queue) - 1;
-            if let Err(error) = self.handle(&getter, &publisher, message.delivery).await {
-                // Not settled: the message is back in the queue for the next pass.
-                if let Some(remaining) = self.remaining.as_mut() {
-                    *remaining += 1;
-                }
-                return Err(error);
-            }
+            self.handle(&getter, &publisher, message.delivery).await?;
         }
         if let Some(&last) = self.held.iter().max() {
             // Give back, in their places, what was listed or could not be replayed.
@@ -206,8 +204,8 @@ impl Pass<'_> {
                 )
                 .await?;
         }
-        let _ = getter.close(200, "OK".into()).await;
-        let _ = publisher.channel().close(200, "OK".into()).await;
+        close_channel(&getter).await;
+        close_channel(publisher.channel()).await;
         Ok(())
     }
 

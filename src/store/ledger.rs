@@ -3,7 +3,7 @@
 
 use std::time::SystemTime;
 
-use deadpool_postgres::{GenericClient, Transaction};
+use deadpool_postgres::GenericClient;
 
 /// One event's failures, as `requeue --dry-run` shows them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,9 +29,12 @@ const RECORD: &str = "\
         last_error = EXCLUDED.last_error \
     RETURNING failures";
 
-const CLEAR: &str = "\
-    DELETE FROM mq_failure_ledger \
-    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
+/// The `cleared` step of the apply statement: forgets the failures of the
+/// events of `$1` in consumer group `$2`, which are being applied now.
+pub(super) const CLEARED: &str = "\
+    cleared AS (\
+        DELETE FROM mq_failure_ledger \
+        WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]))";
 
 const EXHAUSTED: &str = "\
     SELECT event_id FROM mq_failure_ledger \
@@ -56,18 +59,6 @@ pub(super) async fn record(
         .query_one(&statement, &[&event_id, &consumer_group, &error])
         .await?;
     row.try_get(0)
-}
-
-/// Forgets the failures of events that are being applied now.
-pub(super) async fn clear(
-    tx: &Transaction<'_>,
-    event_ids: &[&str],
-    consumer_group: &str,
-) -> Result<(), tokio_postgres::Error> {
-    let statement = tx.prepare_cached(CLEAR).await?;
-    tx.execute(&statement, &[&event_ids, &consumer_group])
-        .await?;
-    Ok(())
 }
 
 /// The events among `event_ids` that failed `max_failures` times or more.

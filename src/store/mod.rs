@@ -9,7 +9,7 @@ mod ledger;
 pub mod migrate;
 mod points;
 
-use std::collections::{BTreeMap, HashSet};
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use backon::Retryable;
@@ -59,12 +59,20 @@ impl DatabaseConfig {
             .expose()
             .parse()
             .map_err(|e: tokio_postgres::Error| ConfigError::Url(e.to_string()))?;
+        // idem's statements take arrays whose sizes do not change the best
+        // plan: plan them once per connection instead of at every execution.
+        let mut options = pg
+            .get_options()
+            .map(|o| format!("{o} "))
+            .unwrap_or_default();
+        options.push_str("-c plan_cache_mode=force_generic_plan");
         if let Some(schema) = &self.schema {
             if !is_identifier(schema) {
                 return Err(ConfigError::Schema(schema.clone()));
             }
-            pg.options(format!("-c search_path={schema}"));
+            options.push_str(&format!(" -c search_path={schema}"));
         }
+        pg.options(options);
         if pg.get_application_name().is_none() {
             pg.application_name("idem");
         }
@@ -129,17 +137,42 @@ pub fn is_identifier(name: &str) -> bool {
         && name.len() <= 63
 }
 
-/// The events of one transaction that this delivery owns (the others were
-/// applied before, by this consumer group).
+/// Which events of one transaction went in: their effect was applied now
+/// (the others were applied before, by this consumer group).
 #[derive(Debug, Default)]
-pub struct Claimed(HashSet<String>);
+pub struct Claimed<'a> {
+    /// The transaction's distinct event ids, sorted, and whether each went in.
+    ids: Vec<(&'a str, bool)>,
+}
 
-impl Claimed {
+impl Claimed<'_> {
     /// True the first time it is asked about an event that went in:
     /// a second copy of the same event in the same batch is a duplicate.
     pub fn take(&mut self, event_id: &str) -> bool {
-        self.0.remove(event_id)
+        match self.ids.binary_search_by(|(id, _)| (*id).cmp(event_id)) {
+            Ok(index) => std::mem::replace(&mut self.ids[index].1, false),
+            Err(_) => false,
+        }
     }
+}
+
+/// The claim-and-apply transaction, as a single statement: a statement is a
+/// transaction of its own, so this is one round trip and one commit per
+/// batch. Each step is owned by its module (`claimed`, `cleared`, `earned`);
+/// the statement yields the event ids that went in.
+static APPLY: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "WITH {}, {}, {} SELECT event_id FROM claimed",
+        claim::CLAIMED,
+        ledger::CLEARED,
+        points::EARNED
+    )
+});
+
+/// The text of the claim-and-apply statement. Its parameters: `$1` event ids
+/// (distinct), `$2` the consumer group, `$3` order ids, `$4` points.
+pub fn apply_statement() -> &'static str {
+    &APPLY
 }
 
 /// The consume records and the points of one consumer group.
@@ -257,32 +290,39 @@ impl Store {
 
     /// In one transaction: records each distinct event of `events` for this
     /// consumer group, and adds the points of those that went in (the
-    /// others were applied before). Returns the events that went in.
-    ///
-    /// The failure ledger's rows of these events go in the same transaction.
-    /// On error nothing is applied: the records roll back with the points.
-    pub async fn apply(&self, events: &[&PaymentSucceeded]) -> Result<Claimed, StoreError> {
-        // Distinct, and in one order, so concurrent transactions take the
-        // unique index's locks in the same order and cannot deadlock.
-        let mut distinct: BTreeMap<&str, &PaymentSucceeded> = BTreeMap::new();
-        for event in events {
-            distinct.entry(event.event_id.as_str()).or_insert(event);
-        }
-        let event_ids: Vec<&str> = distinct.keys().copied().collect();
+    /// others were applied before), summed per order. Returns the events
+    /// that went in. The failure ledger's rows of these events go in the
+    /// same transaction. On error nothing is applied: the records roll back
+    /// with the points.
+    pub async fn apply<'a>(
+        &self,
+        events: &[&'a PaymentSucceeded],
+    ) -> Result<Claimed<'a>, StoreError> {
+        // Distinct: a second copy in the same batch is a duplicate.
+        let mut distinct: Vec<&'a PaymentSucceeded> = events.to_vec();
+        distinct.sort_unstable_by(|a, b| a.event_id.cmp(&b.event_id));
+        distinct.dedup_by(|a, b| a.event_id == b.event_id);
+        let event_ids: Vec<&'a str> = distinct.iter().map(|e| e.event_id.as_str()).collect();
+        let order_ids: Vec<&str> = distinct.iter().map(|e| e.order_id.as_str()).collect();
+        let points: Vec<i64> = distinct.iter().map(|e| e.points).collect();
 
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        // Both statements go out before either answer is awaited.
-        let (claimed, ()) = futures::try_join!(
-            claim::insert(&tx, &event_ids, &self.consumer_group),
-            ledger::clear(&tx, &event_ids, &self.consumer_group),
-        )?;
-        let applied: Vec<&PaymentSucceeded> = claimed
-            .iter()
-            .filter_map(|id| distinct.get(id.as_str()).copied())
-            .collect();
-        points::add(&tx, &applied).await?;
-        tx.commit().await?;
-        Ok(Claimed(claimed.into_iter().collect()))
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(&APPLY).await?;
+        let rows = client
+            .query(
+                &statement,
+                &[&event_ids, &self.consumer_group, &order_ids, &points],
+            )
+            .await?;
+        let mut claimed = Claimed {
+            ids: event_ids.iter().map(|id| (*id, false)).collect(),
+        };
+        for row in &rows {
+            let id: &str = row.try_get(0)?;
+            if let Ok(index) = claimed.ids.binary_search_by(|(known, _)| (*known).cmp(id)) {
+                claimed.ids[index].1 = true;
+            }
+        }
+        Ok(claimed)
     }
 }

@@ -25,12 +25,64 @@ use tracing::{Instrument, info, info_span, warn};
 
 pub use stats::{Snapshot, Stats};
 
-use crate::broker::{AmqpConfig, ConnectError, Topology, TopologyError, connect_with_retry};
+use crate::broker::{
+    AmqpConfig, ConnectError, Topology, TopologyError, close, close_channel, connect_with_retry,
+};
 use crate::store::{DatabaseConfig, ReadyError, Store};
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
 use settle::Settler;
+
+/// How deliveries are grouped into transactions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Many deliveries per transaction, several transactions in flight: the
+    /// default, with every guarantee of per-message mode.
+    Batch,
+    /// One transaction per delivery.
+    PerMessage,
+}
+
+/// The settings a mode starts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tuning {
+    /// Deliveries per transaction.
+    pub batch_size: usize,
+    /// Unacknowledged deliveries the broker may send.
+    pub prefetch: u16,
+    /// Transactions in flight.
+    pub max_in_flight: usize,
+}
+
+impl Mode {
+    /// The value of `--mode` that selects this mode.
+    pub fn as_flag(self) -> &'static str {
+        match self {
+            Mode::Batch => "batch",
+            Mode::PerMessage => "per-message",
+        }
+    }
+
+    /// Defaults measured with `idem bench` on a 2-core machine (README,
+    /// performance). Batch mode keeps the prefetch above what its batches
+    /// hold in flight (3 × 200) plus the one filling, so that the broker is
+    /// never short of credit while a commit is under way.
+    pub fn tuning(self) -> Tuning {
+        match self {
+            Mode::Batch => Tuning {
+                batch_size: 200,
+                prefetch: 1000,
+                max_in_flight: 3,
+            },
+            Mode::PerMessage => Tuning {
+                batch_size: 1,
+                prefetch: 64,
+                max_in_flight: 16,
+            },
+        }
+    }
+}
 
 /// Everything the worker needs to know.
 #[derive(Debug, Clone)]
@@ -148,7 +200,7 @@ impl Worker {
             patience = RECONNECT_PATIENCE;
             let started = Instant::now();
             let end = self.session(&connection, &processor, &shutdown).await;
-            let _ = connection.close(200, "OK".into()).await;
+            close(&connection).await;
             match end? {
                 SessionEnd::Drained => {
                     info!("worker stopped");
@@ -194,7 +246,7 @@ impl Worker {
             }
         };
         if let SessionEnd::Drained = end {
-            let _ = channel.close(200, "OK".into()).await;
+            close_channel(&channel).await;
         }
         Ok(end)
     }
@@ -220,6 +272,7 @@ impl Worker {
             Ok(consumer) => consumer,
             Err(error) => return SessionEnd::Lost(error.to_string()),
         };
+        processor.stats.sessions(1);
         info!(
             queue = %config.topology.queue,
             consumer_group = %config.consumer_group,

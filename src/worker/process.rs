@@ -91,13 +91,19 @@ impl Processor {
             return;
         }
         let events: Vec<&PaymentSucceeded> = items.iter().map(|item| &item.event).collect();
-        match self
+        let outcome = self
             .until_database_answers(|| self.store.apply(&events))
             .await
-        {
-            Ok(mut claimed) => {
-                for item in items {
-                    if claimed.take(&item.event.event_id) {
+            .map(|mut claimed| {
+                items
+                    .iter()
+                    .map(|item| claimed.take(&item.event.event_id))
+                    .collect::<Vec<bool>>()
+            });
+        match outcome {
+            Ok(went_in) => {
+                for (item, went_in) in items.into_iter().zip(went_in) {
+                    if went_in {
                         self.stats.applied(1);
                         debug!(delivery.tag = item.tag, event.id = %item.event.event_id, "applied");
                     } else {

@@ -13,6 +13,7 @@ pub struct Stats {
     retried: AtomicU64,
     dead_lettered: AtomicU64,
     infrastructure_retries: AtomicU64,
+    sessions: AtomicU64,
     reconnects: AtomicU64,
 }
 
@@ -33,6 +34,8 @@ pub struct Snapshot {
     pub dead_lettered: u64,
     /// Transactions retried because the database was unavailable.
     pub infrastructure_retries: u64,
+    /// Consuming sessions started (one per broker connection).
+    pub sessions: u64,
     /// Broker connections reopened after a loss.
     pub reconnects: u64,
 }
@@ -70,5 +73,6 @@ counters!(
     retried,
     dead_lettered,
     infrastructure_retries,
+    sessions,
     reconnects
 );

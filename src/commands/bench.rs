@@ -1,0 +1,750 @@
+//! `idem bench`: idem's throughput against the broker's own ceiling, in one
+//! run, on the same queue type and prefetch, with a correctness check after
+//! every run.
+//!
+//! For each round: the broker's ceiling (consume and ack with `multiple`, no
+//! database), then `idem worker` in per-message mode and in batch mode, as
+//! child processes, over the same published load. Throughput is the number
+//! of messages over the span between the first and the last delivery
+//! applied (the consume records' timestamps), CPU and peak RSS are read from
+//! the worker's `/proc` entry.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use deadpool_postgres::Pool;
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use crate::broker::{
+    AmqpConfig, Outgoing, PublishOptions, Topology, connect, json_properties, publish_all,
+};
+use crate::event::PaymentSucceeded;
+use crate::generate::{self, LoadSpec};
+use crate::store::{DatabaseConfig, migrate};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// The database (the bench uses a schema of its own in it).
+    pub database: DatabaseConfig,
+    /// Messages per run, duplicates included.
+    pub messages: usize,
+    /// Share of duplicates.
+    pub duplicate_ratio: f64,
+    /// Orders the events are spread over.
+    pub orders: usize,
+    /// Prefetch of every consumer measured.
+    pub prefetch: u16,
+    /// Batch mode's batch size.
+    pub batch_size: usize,
+    /// Batch mode's wait for a batch to fill.
+    pub batch_wait: Duration,
+    /// Batch mode's transactions in flight.
+    pub batch_in_flight: usize,
+    /// Per-message mode's transactions in flight.
+    pub per_message_in_flight: usize,
+    /// Rounds; medians are reported.
+    pub rounds: usize,
+    /// Also run pgbench with per-message mode's transaction at 16 clients.
+    pub pgbench: bool,
+    /// Which of ceiling, per-message and batch to run.
+    pub modes: Vec<Mode>,
+    /// The idem binary to run as the worker.
+    pub worker_binary: PathBuf,
+}
+
+/// What to measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// The broker alone: consume and ack with `multiple`.
+    Ceiling,
+    /// `idem worker --batch-size 1`.
+    PerMessage,
+    /// `idem worker` in batch mode.
+    Batch,
+}
+
+/// One measurement.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Measurement {
+    /// Messages per second.
+    pub rate: f64,
+    /// Worker CPU (user + system) per message, in microseconds.
+    pub cpu_us_per_message: Option<f64>,
+    /// Worker peak resident set, in MiB.
+    pub peak_rss_mib: Option<f64>,
+    /// CPU of the local PostgreSQL server per message, in microseconds.
+    pub postgres_us_per_message: Option<f64>,
+    /// CPU of the local RabbitMQ node per message, in microseconds.
+    pub rabbitmq_us_per_message: Option<f64>,
+}
+
+/// The medians of every round.
+#[derive(Debug, Default)]
+pub struct BenchReport {
+    /// Settings, for the printout.
+    pub settings: String,
+    /// Each mode's measurements, one per round.
+    pub rounds: BTreeMap<&'static str, Vec<Measurement>>,
+    /// pgbench's transactions per second at 16 clients, per round.
+    pub pgbench_tps: Vec<f64>,
+}
+
+const CEILING: &str = "1 ceiling (ack multiple, no database)";
+const PER_MESSAGE: &str = "2 per-message";
+const BATCH: &str = "3 batch";
+
+/// Runs every round and returns the measurements. Stops early, removing
+/// what it created, when `shutdown` fires.
+pub async fn run(
+    config: &BenchConfig,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<BenchReport> {
+    let bench = Bench::new(config).await?;
+    bench.sweep_leftovers().await;
+    let report = tokio::select! {
+        report = bench.rounds() => report,
+        () = shutdown.cancelled() => Err(anyhow::anyhow!("interrupted")),
+    };
+    // Whatever happened, leave no schema or queue behind.
+    let removed = bench.remove().await;
+    let report = report?;
+    removed?;
+    Ok(report)
+}
+
+impl Bench<'_> {
+    async fn rounds(&self) -> anyhow::Result<BenchReport> {
+        let config = self.config;
+        let bench = self;
+        let load = generate::events(&LoadSpec {
+            count: config.messages,
+            duplicate_ratio: config.duplicate_ratio,
+            orders: config.orders,
+            seed: 42,
+            prefix: "bench".into(),
+        });
+        let bodies: Vec<Vec<u8>> = load.iter().map(PaymentSucceeded::to_body).collect();
+        let mut report = BenchReport {
+            settings: format!(
+                "{} messages ({:.0}% duplicates, {} orders), quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight",
+                config.messages,
+                config.duplicate_ratio * 100.0,
+                config.orders,
+                config.prefetch,
+                config.batch_size,
+                config.batch_wait,
+                config.batch_in_flight,
+                config.per_message_in_flight
+            ),
+            ..BenchReport::default()
+        };
+        for round in 1..=config.rounds {
+            eprintln!("round {round} of {}", config.rounds);
+            bench.reset().await?;
+            bench.publish(&bodies).await?;
+            if config.modes.contains(&Mode::Ceiling) {
+                let ceiling = bench.ceiling(config.messages).await?;
+                eprintln!("  ceiling      {:>9.0} msgs/s", ceiling.rate);
+                report.rounds.entry(CEILING).or_default().push(ceiling);
+            }
+            for (mode, args) in [
+                (PER_MESSAGE, bench.per_message_args()),
+                (BATCH, bench.batch_args()),
+            ] {
+                let wanted = if mode == BATCH {
+                    Mode::Batch
+                } else {
+                    Mode::PerMessage
+                };
+                if !config.modes.contains(&wanted) {
+                    continue;
+                }
+                bench.reset().await?;
+                bench.publish(&bodies).await?;
+                let measured = bench.worker(&args, &load).await?;
+                eprintln!("  {mode:<12} {:>9.0} msgs/s", measured.rate);
+                report.rounds.entry(mode).or_default().push(measured);
+            }
+            if config.pgbench {
+                bench.reset().await?;
+                let tps = bench.pgbench().await?;
+                eprintln!("  pgbench      {tps:>9.0} tps");
+                report.pgbench_tps.push(tps);
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// The bench's own schema and topology.
+struct Bench<'a> {
+    config: &'a BenchConfig,
+    schema: String,
+    topology: Topology,
+    database: DatabaseConfig,
+    pool: Pool,
+}
+
+impl<'a> Bench<'a> {
+    async fn new(config: &'a BenchConfig) -> anyhow::Result<Self> {
+        let schema = format!("idem_bench_{}", std::process::id());
+        let database = DatabaseConfig {
+            schema: Some(schema.clone()),
+            pool_size: 2,
+            ..config.database.clone()
+        };
+        let pool = database.pool()?;
+        Ok(Self {
+            config,
+            topology: Topology::prefixed(&format!("idem-bench-{}.", std::process::id())),
+            schema,
+            database,
+            pool,
+        })
+    }
+
+    /// An empty schema and an empty topology.
+    async fn reset(&self) -> anyhow::Result<()> {
+        self.remove().await?;
+        migrate::run(&self.pool, Some(&self.schema)).await?;
+        let connection = connect(&self.config.amqp, "idem bench").await?;
+        let channel = connection.create_channel().await?;
+        self.topology.declare(&channel).await?;
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(())
+    }
+
+    async fn remove(&self) -> anyhow::Result<()> {
+        Self::remove_objects(self.config, &self.pool, &self.schema, &self.topology).await
+    }
+
+    /// Removes the schema and topology of earlier bench processes that died
+    /// (their names carry the pid of a process that no longer runs).
+    async fn sweep_leftovers(&self) {
+        let Ok(client) = self.pool.get().await else {
+            return;
+        };
+        let Ok(rows) = client
+            .query(
+                "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_bench\\_%'",
+                &[],
+            )
+            .await
+        else {
+            return;
+        };
+        for row in rows {
+            let Ok(schema) = row.try_get::<_, String>(0) else {
+                continue;
+            };
+            let Some(pid) = schema.strip_prefix("idem_bench_") else {
+                continue;
+            };
+            if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            let topology = Topology::prefixed(&format!("idem-bench-{pid}."));
+            if let Err(error) =
+                Self::remove_objects(self.config, &self.pool, &schema, &topology).await
+            {
+                eprintln!("could not remove the leftovers of bench {pid}: {error:#}");
+            }
+        }
+    }
+
+    async fn remove_objects(
+        config: &BenchConfig,
+        pool: &Pool,
+        schema: &str,
+        topology: &Topology,
+    ) -> anyhow::Result<()> {
+        let client = pool.get().await.context("cannot reach PostgreSQL")?;
+        client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            .await?;
+        let connection = connect(&config.amqp, "idem bench").await?;
+        let channel = connection.create_channel().await?;
+        for queue in [&topology.queue, &topology.dead_letter_queue] {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        for exchange in [&topology.exchange, &topology.dead_letter_exchange] {
+            channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await?;
+        }
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(())
+    }
+
+    async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
+        let messages: Vec<Outgoing> = bodies
+            .iter()
+            .map(|body| Outgoing {
+                exchange: self.topology.exchange.clone(),
+                routing_key: self.topology.routing_key.clone(),
+                body: body.clone(),
+                properties: json_properties(),
+            })
+            .collect();
+        let options = PublishOptions {
+            window: 2000,
+            patience: Duration::from_secs(10),
+        };
+        let report = publish_all(
+            &self.config.amqp,
+            &messages,
+            &options,
+            &CancellationToken::new(),
+        )
+        .await?;
+        ensure!(
+            report.all_confirmed(),
+            "the load was not confirmed: {report:?}"
+        );
+        Ok(())
+    }
+
+    /// Consumes `messages` and acks them with `multiple`, as fast as the
+    /// broker delivers.
+    async fn ceiling(&self, messages: usize) -> anyhow::Result<Measurement> {
+        let connection = connect(&self.config.amqp, "idem bench ceiling").await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(self.config.prefetch, BasicQosOptions::default())
+            .await?;
+        let mut consumer = channel
+            .basic_consume(
+                self.topology.queue.as_str().into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        // Ack a tenth of the window at a time, so that the broker never waits.
+        let every = (usize::from(self.config.prefetch) / 10).max(1);
+        let services = ServiceCpu::now();
+        let mut started = None;
+        for n in 1..=messages {
+            let delivery = consumer
+                .next()
+                .await
+                .context("the consumer ended early")??;
+            started.get_or_insert_with(Instant::now);
+            if n % every == 0 || n == messages {
+                channel
+                    .basic_ack(delivery.delivery_tag, BasicAckOptions { multiple: true })
+                    .await?;
+            }
+        }
+        let elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
+        let (_, rabbitmq) = ServiceCpu::now().per_message(&services, messages as f64);
+        channel.close(200, "OK".into()).await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(Measurement {
+            rate: messages as f64 / elapsed.as_secs_f64(),
+            rabbitmq_us_per_message: rabbitmq,
+            ..Measurement::default()
+        })
+    }
+
+    fn common_args(&self) -> Vec<String> {
+        vec!["--prefetch".into(), self.config.prefetch.to_string()]
+    }
+
+    fn per_message_args(&self) -> Vec<String> {
+        let mut args = self.common_args();
+        args.extend([
+            "--mode".into(),
+            crate::worker::Mode::PerMessage.as_flag().into(),
+            "--max-in-flight".into(),
+            self.config.per_message_in_flight.to_string(),
+        ]);
+        args
+    }
+
+    fn batch_args(&self) -> Vec<String> {
+        let mut args = self.common_args();
+        args.extend([
+            "--mode".into(),
+            crate::worker::Mode::Batch.as_flag().into(),
+            "--batch-size".into(),
+            self.config.batch_size.to_string(),
+            "--batch-wait".into(),
+            format!("{}ms", self.config.batch_wait.as_millis()),
+            "--max-in-flight".into(),
+            self.config.batch_in_flight.to_string(),
+        ]);
+        args
+    }
+
+    /// Runs `idem worker` with `args` until the load is applied, checks the
+    /// result, and measures.
+    async fn worker(
+        &self,
+        args: &[String],
+        load: &[PaymentSucceeded],
+    ) -> anyhow::Result<Measurement> {
+        let services = ServiceCpu::now();
+        let mut child = tokio::process::Command::new(&self.config.worker_binary)
+            .env("AMQP_URL", self.config.amqp.url.expose())
+            .env("DATABASE_URL", self.database.url.expose())
+            .env("IDEM_SCHEMA", &self.schema)
+            .env("IDEM_EXCHANGE", &self.topology.exchange)
+            .env("IDEM_QUEUE", &self.topology.queue)
+            .env(
+                "IDEM_DEAD_LETTER_EXCHANGE",
+                &self.topology.dead_letter_exchange,
+            )
+            .env("IDEM_DEAD_LETTER_QUEUE", &self.topology.dead_letter_queue)
+            .env("RUST_LOG", "error")
+            .arg("worker")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("cannot start the worker")?;
+        let pid = child.id().context("the worker exited at once")?;
+        let distinct = generate::distinct_events(load) as i64;
+        let client = self.pool.get().await?;
+        let probe = QueueProbe::open(&self.config.amqp).await?;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            // The broker first: counting records scans the table, which
+            // would load the database under measurement.
+            if probe.ready(&self.topology.queue).await? == 0 {
+                let recorded: i64 = client
+                    .query_one("SELECT count(*) FROM mq_consume_record", &[])
+                    .await?
+                    .try_get(0)?;
+                if recorded >= distinct {
+                    break;
+                }
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                bail!("the worker exited with {status} before the load was applied");
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "the load was not applied within 10 minutes"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        probe.close().await;
+        let usage = ProcessUsage::read(pid);
+        let (postgres, rabbitmq) = ServiceCpu::now().per_message(&services, load.len() as f64);
+        let stopped = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await?;
+        ensure!(stopped.success(), "cannot stop the worker");
+        let status = tokio::time::timeout(Duration::from_secs(60), child.wait()).await??;
+        ensure!(status.success(), "the worker exited with {status}");
+
+        let span: f64 = client
+            .query_one(
+                "SELECT extract(epoch FROM max(consumed_at) - min(consumed_at))::float8 FROM mq_consume_record",
+                &[],
+            )
+            .await?
+            .try_get(0)?;
+        self.verify(load).await?;
+        let messages = load.len() as f64;
+        Ok(Measurement {
+            rate: messages / span.max(1e-3),
+            cpu_us_per_message: usage.as_ref().map(|u| u.cpu.as_secs_f64() * 1e6 / messages),
+            peak_rss_mib: usage.map(|u| u.peak_rss_kib as f64 / 1024.0),
+            postgres_us_per_message: postgres,
+            rabbitmq_us_per_message: rabbitmq,
+        })
+    }
+
+    /// Every order at its exact total, one record per distinct event, nothing dead-lettered.
+    async fn verify(&self, load: &[PaymentSucceeded]) -> anyhow::Result<()> {
+        let client = self.pool.get().await?;
+        let points: BTreeMap<String, i64> = client
+            .query("SELECT order_id, points FROM user_points", &[])
+            .await?
+            .iter()
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .collect::<Result<_, tokio_postgres::Error>>()?;
+        ensure!(
+            points == generate::expected_points(load),
+            "per-order totals are wrong"
+        );
+        let (records, events): (i64, i64) = {
+            let row = client
+                .query_one(
+                    "SELECT count(*), count(DISTINCT event_id) FROM mq_consume_record",
+                    &[],
+                )
+                .await?;
+            (row.try_get(0)?, row.try_get(1)?)
+        };
+        let distinct = generate::distinct_events(load) as i64;
+        ensure!(
+            records == distinct && events == distinct,
+            "{records} records for {distinct} events"
+        );
+        let probe = QueueProbe::open(&self.config.amqp).await?;
+        let dead = probe.ready(&self.topology.dead_letter_queue).await;
+        probe.close().await;
+        let dead = dead?;
+        ensure!(dead == 0, "{dead} messages were dead-lettered");
+        Ok(())
+    }
+
+    /// pgbench at 16 clients for 10 s running per-message mode's
+    /// transaction on fresh event ids, in the bench's schema.
+    async fn pgbench(&self) -> anyhow::Result<f64> {
+        let script = std::env::temp_dir().join(format!("{}.sql", self.schema));
+        std::fs::write(&script, pgbench_script())?;
+        let output = tokio::process::Command::new("pgbench")
+            .env("PGOPTIONS", format!("-c search_path={}", self.schema))
+            .args([
+                "--no-vacuum",
+                "--client=16",
+                "--jobs=2",
+                "--time=10",
+                "--protocol=prepared",
+            ])
+            .arg(format!("--file={}", script.display()))
+            .arg(format!("--define=orders={}", self.config.orders))
+            .arg(self.database.url.expose())
+            .output()
+            .await
+            .context("cannot run pgbench (is it installed?)")?;
+        let _ = std::fs::remove_file(&script);
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        ensure!(
+            output.status.success(),
+            "pgbench failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        stdout
+            .lines()
+            .find_map(|line| {
+                let rest = line.strip_prefix("tps = ")?;
+                rest.split_whitespace().next()?.parse().ok()
+            })
+            .context("no tps in pgbench's output")
+    }
+}
+
+/// Per-message mode's transaction, as pgbench runs it: idem's own apply
+/// statement with one event, on a fresh event id and a random order.
+fn pgbench_script() -> String {
+    let statement = crate::store::apply_statement()
+        .replace("$1::varchar[]", "ARRAY['pgbench-' || :event]::varchar[]")
+        .replace("$2", "'pgbench'")
+        .replace("$3::varchar[]", "ARRAY['order-' || :order]::varchar[]")
+        .replace("$4::bigint[]", "ARRAY[7]::bigint[]");
+    format!("\\set event random(1, 1000000000000)\n\\set order random(1, :orders)\n{statement};\n")
+}
+
+/// Reads queue depths over one channel, so that polling costs the broker
+/// next to nothing.
+struct QueueProbe {
+    connection: lapin::Connection,
+    channel: lapin::Channel,
+}
+
+impl QueueProbe {
+    async fn open(amqp: &AmqpConfig) -> anyhow::Result<Self> {
+        let connection = connect(amqp, "idem bench probe").await?;
+        let channel = connection.create_channel().await?;
+        Ok(Self {
+            connection,
+            channel,
+        })
+    }
+
+    /// Messages ready in `queue`.
+    async fn ready(&self, queue: &str) -> anyhow::Result<u32> {
+        let queue = self
+            .channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(queue.message_count())
+    }
+
+    async fn close(self) {
+        let _ = self.channel.close(200, "OK".into()).await;
+        let _ = self.connection.close(200, "OK".into()).await;
+    }
+}
+
+/// CPU time used so far by the local PostgreSQL and RabbitMQ servers (all
+/// processes named `postgres`, and `beam.smp`), from `/proc`; zero when
+/// they run elsewhere.
+#[derive(Debug, Clone, Copy, Default)]
+struct ServiceCpu {
+    postgres_ticks: u64,
+    rabbitmq_ticks: u64,
+}
+
+impl ServiceCpu {
+    fn now() -> Self {
+        let mut total = Self::default();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return total;
+        };
+        for entry in entries.flatten() {
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = |i: usize| {
+                fields
+                    .get(i)
+                    .and_then(|f| f.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            let used = ticks(11) + ticks(12);
+            if head.ends_with("(postgres") {
+                total.postgres_ticks += used;
+            } else if head.ends_with("(beam.smp") {
+                total.rabbitmq_ticks += used;
+            }
+        }
+        total
+    }
+
+    /// Microseconds per message of each server since `earlier`; `None` for
+    /// a server not seen on this machine.
+    fn per_message(&self, earlier: &Self, messages: f64) -> (Option<f64>, Option<f64>) {
+        let per = |now: u64, then: u64| {
+            (now > 0).then(|| now.saturating_sub(then) as f64 * 10_000.0 / messages)
+        };
+        (
+            per(self.postgres_ticks, earlier.postgres_ticks),
+            per(self.rabbitmq_ticks, earlier.rabbitmq_ticks),
+        )
+    }
+}
+
+/// CPU time and peak memory of a process, from `/proc`.
+struct ProcessUsage {
+    cpu: Duration,
+    peak_rss_kib: u64,
+}
+
+impl ProcessUsage {
+    fn read(pid: u32) -> Option<Self> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // Fields after the command name, which is in parentheses.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks: u64 =
+            fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let peak_rss_kib = status
+            .lines()
+            .find_map(|line| line.strip_prefix("VmHWM:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        // Linux reports CPU time in clock ticks of 1/100 s (USER_HZ).
+        Some(Self {
+            cpu: Duration::from_millis(ticks * 10),
+            peak_rss_kib,
+        })
+    }
+}
+
+fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let mut values: Vec<f64> = values.collect();
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    Some(values[values.len() / 2])
+}
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "idem bench: {}", self.settings)?;
+        let rate = |mode| median(self.rounds.get(mode)?.iter().map(|m| m.rate));
+        let ceiling = rate(CEILING);
+        writeln!(
+            f,
+            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13}",
+            "mode (medians)",
+            "msgs/s",
+            "× ceiling",
+            "worker CPU",
+            "worker peak",
+            "PostgreSQL",
+            "RabbitMQ"
+        )?;
+        writeln!(
+            f,
+            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13}",
+            "", "", "", "µs/msg", "RSS MiB", "CPU µs/msg", "CPU µs/msg"
+        )?;
+        for (mode, runs) in &self.rounds {
+            let median_of =
+                |pick: fn(&Measurement) -> Option<f64>| median(runs.iter().filter_map(pick));
+            let rate = median_of(|m| Some(m.rate)).unwrap_or(0.0);
+            let show = |value: Option<f64>, precision: usize| {
+                value.map_or("-".to_owned(), |v| format!("{v:.precision$}"))
+            };
+            writeln!(
+                f,
+                "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13}",
+                mode.split_once(' ').map_or(*mode, |(_, name)| name),
+                rate,
+                show(ceiling.map(|c| rate / c), 2),
+                show(median_of(|m| m.cpu_us_per_message), 1),
+                show(median_of(|m| m.peak_rss_mib), 1),
+                show(median_of(|m| m.postgres_us_per_message), 1),
+                show(median_of(|m| m.rabbitmq_us_per_message), 1),
+            )?;
+        }
+        if let (Some(batch), Some(per_message)) = (rate(BATCH), rate(PER_MESSAGE)) {
+            writeln!(f, "batch / per-message: {:.1} ×", batch / per_message)?;
+        }
+        if let (Some(tps), Some(per_message)) =
+            (median(self.pgbench_tps.iter().copied()), rate(PER_MESSAGE))
+        {
+            writeln!(
+                f,
+                "pgbench, per-message transaction, 16 clients: {tps:.0} tps; per-message mode / pgbench: {:.2} ×",
+                per_message / tps
+            )?;
+        }
+        let rounds = self.rounds.values().map(Vec::len).max().unwrap_or(0);
+        write!(
+            f,
+            "rounds: {rounds}; every run checked: exact totals, one record per event, nothing dead-lettered"
+        )
+    }
+}
