@@ -10,6 +10,7 @@ use idem::event::PaymentSucceeded;
 use idem::store::migrate;
 
 use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, wait_for};
+use idem::worker::Mode;
 
 const IDEM: &str = env!("CARGO_BIN_EXE_idem");
 
@@ -194,8 +195,9 @@ async fn publish_exits_non_zero_when_a_message_is_returned() -> anyhow::Result<(
     Ok(())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero() -> anyhow::Result<()> {
+async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero(
+    mode: Mode,
+) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     // Slow transactions, so that SIGTERM lands while several are in flight.
     env.sql(
@@ -217,6 +219,7 @@ async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero() -> anyh
     let mut command = idem(&env);
     command
         .args(["worker", "--prefetch", "8", "--max-in-flight", "4"])
+        .args(["--mode", mode.as_flag()])
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let mut child = command.spawn()?;
@@ -291,12 +294,14 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
 /// A worker holding deliveries it cannot commit: the database is cut off.
 async fn worker_holding_deliveries(
     env: &TestEnv,
+    mode: Mode,
     database: &crate::proxy::Proxy,
     load: &[PaymentSucceeded],
 ) -> anyhow::Result<crate::helpers::WorkerProcess> {
     env.publish_events(load).await?;
     let worker = crate::helpers::WorkerProcess::spawn(
         env,
+        mode,
         &amqp_url(),
         &env.database_url_via(database.port),
         &["--shutdown-timeout", "2s", "--prefetch", "10"],
@@ -315,13 +320,13 @@ async fn worker_holding_deliveries(
     Ok(worker)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothing()
--> anyhow::Result<()> {
+async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothing(
+    mode: Mode,
+) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
-    let mut worker = worker_holding_deliveries(&env, &database, &load).await?;
+    let mut worker = worker_holding_deliveries(&env, mode, &database, &load).await?;
 
     worker.signal("-TERM").await?;
     let started = std::time::Instant::now();
@@ -337,7 +342,7 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
 
     // What it held went back to the queue: another worker applies it all.
     database.restore();
-    let next = crate::helpers::RunningWorker::start(env.worker_config());
+    let next = crate::helpers::RunningWorker::start(env.worker_config(mode));
     next.wait_finished(1, Duration::from_secs(30)).await?;
     wait_for("every event", Duration::from_secs(60), || async {
         Ok(env.records(GROUP).await? == idem::generate::distinct_events(&load) as i64)
@@ -347,12 +352,11 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
     crate::helpers::assert_exact(&env, &load, &[]).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_signal_exits_at_once() -> anyhow::Result<()> {
+async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
-    let mut worker = worker_holding_deliveries(&env, &database, &load).await?;
+    let mut worker = worker_holding_deliveries(&env, mode, &database, &load).await?;
 
     worker.signal("-TERM").await?;
     wait_for(
@@ -372,7 +376,7 @@ async fn a_second_signal_exits_at_once() -> anyhow::Result<()> {
     );
 
     database.restore();
-    let next = crate::helpers::RunningWorker::start(env.worker_config());
+    let next = crate::helpers::RunningWorker::start(env.worker_config(mode));
     wait_for("every event", Duration::from_secs(60), || async {
         Ok(env.records(GROUP).await? == idem::generate::distinct_events(&load) as i64)
     })
@@ -380,3 +384,9 @@ async fn a_second_signal_exits_at_once() -> anyhow::Result<()> {
     next.stop().await?;
     crate::helpers::assert_exact(&env, &load, &[]).await
 }
+
+in_both_modes!(
+    sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero,
+    past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothing,
+    a_second_signal_exits_at_once,
+);

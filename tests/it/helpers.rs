@@ -25,7 +25,7 @@ use idem::broker::{
 use idem::event::PaymentSucceeded;
 use idem::secret::SecretUrl;
 use idem::store::{DatabaseConfig, migrate};
-use idem::worker::{Stats, Worker, WorkerConfig, WorkerError};
+use idem::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
 
 /// The broker's AMQP port: 5672 unless `IDEM_TEST_AMQP_PORT` says
 /// otherwise (to run the suite against a second broker, RabbitMQ 4 say).
@@ -126,19 +126,20 @@ impl TestEnv {
     }
 
     /// A worker configuration for this environment in the default mode.
-    pub fn worker_config(&self) -> WorkerConfig {
+    pub fn worker_config(&self, mode: Mode) -> WorkerConfig {
+        let tuning = mode.tuning();
         WorkerConfig {
             amqp: self.amqp.clone(),
             database: DatabaseConfig {
-                pool_size: 6,
+                pool_size: tuning.max_in_flight + 2,
                 ..self.database.clone()
             },
             topology: self.topology.clone(),
             consumer_group: GROUP.into(),
-            prefetch: 50,
-            batch_size: 1,
+            prefetch: tuning.prefetch,
+            batch_size: tuning.batch_size,
             batch_wait: Duration::from_millis(5),
-            max_in_flight: 4,
+            max_in_flight: tuning.max_in_flight,
             max_attempts: 5,
             max_body_bytes: 64 * 1024,
             shutdown_timeout: Duration::from_secs(10),
@@ -163,10 +164,11 @@ impl TestEnv {
     /// `worker_config`, reaching the services through proxies where given.
     pub fn worker_config_via(
         &self,
+        mode: Mode,
         amqp_port: Option<u16>,
         database_port: Option<u16>,
     ) -> WorkerConfig {
-        let mut config = self.worker_config();
+        let mut config = self.worker_config(mode);
         if let Some(port) = amqp_port {
             config.amqp.url = SecretUrl::new(self.amqp_url_via(port));
         }
@@ -545,6 +547,9 @@ pub struct RunningWorker {
 
 impl RunningWorker {
     pub fn start(config: WorkerConfig) -> Self {
+        if let Ok(filter) = std::env::var("IDEM_TEST_LOG") {
+            idem::telemetry::init(&filter, idem::telemetry::LogFormat::Text);
+        }
         let worker = Worker::new(config);
         let stats = worker.stats();
         let shutdown = CancellationToken::new();
@@ -643,6 +648,7 @@ impl WorkerProcess {
     /// services at the given URLs (a proxy's, say), with extra arguments.
     pub fn spawn(
         env: &TestEnv,
+        mode: Mode,
         amqp_url: &str,
         database_url: &str,
         args: &[&str],
@@ -663,7 +669,7 @@ impl WorkerProcess {
             )
             .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
             .env("RUST_LOG", "info")
-            .arg("worker")
+            .args(["worker", "--mode", mode.as_flag()])
             .args(args)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())

@@ -3,6 +3,25 @@
 
 #![allow(unreachable_pub, missing_docs)]
 
+/// Runs each scenario `async fn name(mode: Mode) -> anyhow::Result<()>` as
+/// two tests, `name::batch` and `name::per_message`: every guarantee holds
+/// in both modes.
+macro_rules! in_both_modes {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn batch() -> anyhow::Result<()> {
+                super::$scenario(idem::worker::Mode::Batch).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn per_message() -> anyhow::Result<()> {
+                super::$scenario(idem::worker::Mode::PerMessage).await
+            }
+        }
+    )*};
+}
+
 mod binary;
 mod dead_letters;
 mod definitions;

@@ -25,17 +25,19 @@ impl Proxy {
         Self::start_with(upstream, true).await
     }
 
-    /// A proxy to `upstream` whose port refuses connections until `restore`.
+    /// A proxy to `upstream` that closes every connection until `restore`.
     pub async fn start_closed(upstream: SocketAddr) -> anyhow::Result<Self> {
         Self::start_with(upstream, false).await
     }
 
     async fn start_with(upstream: SocketAddr, open: bool) -> anyhow::Result<Self> {
-        // Reserve a port, then let the acceptor own listening on it.
-        let port = TcpListener::bind("127.0.0.1:0").await?.local_addr()?.port();
+        // The port stays bound for the proxy's whole life: freeing it while
+        // severed would let another socket take it.
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
         let (open, opened) = watch::channel(open);
         let connections = Arc::new(Mutex::new(Vec::new()));
-        let acceptor = tokio::spawn(accept(port, upstream, opened, Arc::clone(&connections)));
+        let acceptor = tokio::spawn(accept(listener, upstream, opened, Arc::clone(&connections)));
         Ok(Self {
             port,
             open,
@@ -44,8 +46,8 @@ impl Proxy {
         })
     }
 
-    /// Drops every connection through the proxy and refuses new ones (the
-    /// port stops listening) until `restore`.
+    /// Drops every connection through the proxy, and closes new ones as soon
+    /// as they are accepted, until `restore`.
     pub fn sever(&self) {
         self.open.send_replace(false);
         self.cut();
@@ -73,38 +75,26 @@ impl Drop for Proxy {
 }
 
 async fn accept(
-    port: u16,
+    listener: TcpListener,
     upstream: SocketAddr,
-    mut open: watch::Receiver<bool>,
+    open: watch::Receiver<bool>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
 ) {
     loop {
-        if open.wait_for(|open| *open).await.is_err() {
-            return;
-        }
-        // Listening only while open: a severed proxy refuses connections.
-        let listener = match TcpListener::bind(("127.0.0.1", port)).await {
-            Ok(listener) => listener,
-            Err(error) => {
-                eprintln!("proxy: cannot listen on {port}: {error}");
-                return;
-            }
+        let Ok((client, _)) = listener.accept().await else {
+            continue;
         };
-        loop {
-            tokio::select! {
-                accepted = listener.accept() => {
-                    let Ok((client, _)) = accepted else { continue };
-                    let task = tokio::spawn(forward(client, upstream));
-                    connections.lock().unwrap_or_else(|e| e.into_inner()).push(task);
-                }
-                changed = open.wait_for(|open| !*open) => {
-                    if changed.is_err() {
-                        return;
-                    }
-                    break;
-                }
-            }
+        if !*open.borrow() {
+            // Severed: the connection is closed at once, as a server that
+            // is going down would.
+            drop(client);
+            continue;
         }
+        let task = tokio::spawn(forward(client, upstream));
+        connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(task);
     }
 }
 
