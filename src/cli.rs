@@ -143,6 +143,22 @@ pub struct TopologyArgs {
     pub delivery_limit: u32,
 }
 
+/// The environment that points a child `idem` at `topology`, for the bench
+/// and the tests: the variables `TopologyArgs` reads.
+pub fn topology_environment(topology: &Topology) -> Vec<(&'static str, String)> {
+    vec![
+        ("IDEM_EXCHANGE", topology.exchange.clone()),
+        ("IDEM_ROUTING_KEY", topology.routing_key.clone()),
+        ("IDEM_QUEUE", topology.queue.clone()),
+        (
+            "IDEM_DEAD_LETTER_EXCHANGE",
+            topology.dead_letter_exchange.clone(),
+        ),
+        ("IDEM_DEAD_LETTER_QUEUE", topology.dead_letter_queue.clone()),
+        ("IDEM_DELIVERY_LIMIT", topology.delivery_limit.to_string()),
+    ]
+}
+
 /// `idem worker`.
 #[derive(Debug, Args)]
 pub struct WorkerArgs {

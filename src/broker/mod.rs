@@ -8,7 +8,6 @@ mod topology;
 
 pub use connection::{AmqpConfig, ConnectError, close, close_channel, connect, connect_with_retry};
 pub use publisher::{
-    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, json_properties, publish_all,
-    settle,
+    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, settle,
 };
 pub use topology::{Topology, TopologyError};

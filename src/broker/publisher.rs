@@ -26,12 +26,20 @@ pub struct Outgoing {
     pub properties: BasicProperties,
 }
 
-/// Properties of a JSON event: persistent, so it survives a broker restart.
-pub fn json_properties() -> BasicProperties {
-    BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_app_id("idem".into())
+impl Outgoing {
+    /// A JSON body for `exchange` and `routing_key`, persistent so that it
+    /// survives a broker restart.
+    pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
+        Self {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            body,
+            properties: BasicProperties::default()
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_app_id("idem".into()),
+        }
+    }
 }
 
 /// The broker took the message but did not accept it.

@@ -25,9 +25,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{
-    AmqpConfig, Outgoing, PublishOptions, Topology, connect, json_properties, publish_all,
-};
+use crate::broker::{AmqpConfig, Outgoing, PublishOptions, Topology, connect, publish_all};
 use crate::event::PaymentSucceeded;
 use crate::generate::{self, LoadSpec};
 use crate::store::{DatabaseConfig, migrate};
@@ -155,6 +153,7 @@ impl Bench<'_> {
             eprintln!("round {round} of {}", config.rounds);
             bench.reset().await?;
             bench.publish(&bodies).await?;
+            settle_down().await;
             if config.modes.contains(&Mode::Ceiling) {
                 let ceiling = bench.ceiling(config.messages).await?;
                 eprintln!("  ceiling      {:>9.0} msgs/s", ceiling.rate);
@@ -174,6 +173,7 @@ impl Bench<'_> {
                 }
                 bench.reset().await?;
                 bench.publish(&bodies).await?;
+                settle_down().await;
                 let measured = bench.worker(&args, &load).await?;
                 eprintln!("  {mode:<12} {:>9.0} msgs/s", measured.rate);
                 report.rounds.entry(mode).or_default().push(measured);
@@ -296,11 +296,12 @@ impl<'a> Bench<'a> {
     async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
         let messages: Vec<Outgoing> = bodies
             .iter()
-            .map(|body| Outgoing {
-                exchange: self.topology.exchange.clone(),
-                routing_key: self.topology.routing_key.clone(),
-                body: body.clone(),
-                properties: json_properties(),
+            .map(|body| {
+                Outgoing::json(
+                    &self.topology.exchange,
+                    &self.topology.routing_key,
+                    body.clone(),
+                )
             })
             .collect();
         let options = PublishOptions {
@@ -406,13 +407,7 @@ impl<'a> Bench<'a> {
             .env("AMQP_URL", self.config.amqp.url.expose())
             .env("DATABASE_URL", self.database.url.expose())
             .env("IDEM_SCHEMA", &self.schema)
-            .env("IDEM_EXCHANGE", &self.topology.exchange)
-            .env("IDEM_QUEUE", &self.topology.queue)
-            .env(
-                "IDEM_DEAD_LETTER_EXCHANGE",
-                &self.topology.dead_letter_exchange,
-            )
-            .env("IDEM_DEAD_LETTER_QUEUE", &self.topology.dead_letter_queue)
+            .envs(crate::cli::topology_environment(&self.topology))
             .env("RUST_LOG", "error")
             .arg("worker")
             .args(args)
@@ -650,6 +645,27 @@ impl ServiceCpu {
     }
 }
 
+/// Waits, for at most 20 s, until the local servers are nearly idle: after
+/// a load is published, RabbitMQ goes on writing it to disk for a while, and
+/// a measurement started then would measure that too.
+async fn settle_down() {
+    const WINDOW: Duration = Duration::from_millis(500);
+    // Ticks are 10 ms: under 5 % of a core over the window.
+    const QUIET_TICKS: u64 = 2;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut before = ServiceCpu::now();
+    while Instant::now() < deadline {
+        tokio::time::sleep(WINDOW).await;
+        let now = ServiceCpu::now();
+        let busy = (now.postgres_ticks + now.rabbitmq_ticks)
+            .saturating_sub(before.postgres_ticks + before.rabbitmq_ticks);
+        if busy <= QUIET_TICKS {
+            return;
+        }
+        before = now;
+    }
+}
+
 /// CPU time and peak memory of a process, from `/proc`.
 struct ProcessUsage {
     cpu: Duration,
@@ -692,12 +708,21 @@ fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "idem bench: {}", self.settings)?;
-        let rate = |mode| median(self.rounds.get(mode)?.iter().map(|m| m.rate));
-        let ceiling = rate(CEILING);
+        let rates = |mode| -> Vec<f64> {
+            self.rounds
+                .get(mode)
+                .map(|runs| runs.iter().map(|m| m.rate).collect())
+                .unwrap_or_default()
+        };
+        // Ratios are taken within each round, then their median: the
+        // machine's speed drifts between rounds, much less within one.
+        let ratio =
+            |over: &[f64], under: &[f64]| median(over.iter().zip(under).map(|(a, b)| a / b));
+        let ceiling = rates(CEILING);
         writeln!(
             f,
             "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13}",
-            "mode (medians)",
+            "mode (medians of the rounds)",
             "msgs/s",
             "× ceiling",
             "worker CPU",
@@ -714,6 +739,7 @@ impl fmt::Display for BenchReport {
             let median_of =
                 |pick: fn(&Measurement) -> Option<f64>| median(runs.iter().filter_map(pick));
             let rate = median_of(|m| Some(m.rate)).unwrap_or(0.0);
+            let of_ceiling = ratio(&rates(mode), &ceiling);
             let show = |value: Option<f64>, precision: usize| {
                 value.map_or("-".to_owned(), |v| format!("{v:.precision$}"))
             };
@@ -722,23 +748,23 @@ impl fmt::Display for BenchReport {
                 "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13}",
                 mode.split_once(' ').map_or(*mode, |(_, name)| name),
                 rate,
-                show(ceiling.map(|c| rate / c), 2),
+                show(of_ceiling, 2),
                 show(median_of(|m| m.cpu_us_per_message), 1),
                 show(median_of(|m| m.peak_rss_mib), 1),
                 show(median_of(|m| m.postgres_us_per_message), 1),
                 show(median_of(|m| m.rabbitmq_us_per_message), 1),
             )?;
         }
-        if let (Some(batch), Some(per_message)) = (rate(BATCH), rate(PER_MESSAGE)) {
-            writeln!(f, "batch / per-message: {:.1} ×", batch / per_message)?;
+        if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
+            writeln!(f, "batch / per-message: {times:.1} ×")?;
         }
-        if let (Some(tps), Some(per_message)) =
-            (median(self.pgbench_tps.iter().copied()), rate(PER_MESSAGE))
-        {
+        if let (Some(tps), Some(times)) = (
+            median(self.pgbench_tps.iter().copied()),
+            ratio(&rates(PER_MESSAGE), &self.pgbench_tps),
+        ) {
             writeln!(
                 f,
-                "pgbench, per-message transaction, 16 clients: {tps:.0} tps; per-message mode / pgbench: {:.2} ×",
-                per_message / tps
+                "pgbench, per-message transaction, 16 clients: {tps:.0} tps; per-message mode / pgbench: {times:.2} ×"
             )?;
         }
         let rounds = self.rounds.values().map(Vec::len).max().unwrap_or(0);

@@ -12,12 +12,11 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{
-    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, json_properties,
-    publish_all,
+    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
 };
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, migrate};
-use crate::worker::{Snapshot, Worker, WorkerConfig};
+use crate::worker::{Mode, Snapshot, Worker, WorkerConfig};
 
 /// The demo's schema.
 pub const SCHEMA: &str = "idem_demo";
@@ -70,8 +69,11 @@ fn sample() -> Vec<Vec<u8>> {
 /// Runs the demo against `amqp` and `database` (whose schema is replaced by
 /// the demo's own).
 pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<DemoReport> {
+    // The worker as `idem worker` runs it by default.
+    let tuning = Mode::Batch.tuning();
     let database = DatabaseConfig {
         schema: Some(SCHEMA.into()),
+        pool_size: tuning.max_in_flight + 2,
         ..database
     };
     let topology = Topology::prefixed(PREFIX);
@@ -90,12 +92,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
     let bodies = sample();
     let messages: Vec<Outgoing> = bodies
         .iter()
-        .map(|body| Outgoing {
-            exchange: topology.exchange.clone(),
-            routing_key: topology.routing_key.clone(),
-            body: body.clone(),
-            properties: json_properties(),
-        })
+        .map(|body| Outgoing::json(&topology.exchange, &topology.routing_key, body.clone()))
         .collect();
     let events = bodies
         .iter()
@@ -118,10 +115,10 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         database: database.clone(),
         topology: topology.clone(),
         consumer_group: CONSUMER_GROUP.into(),
-        prefetch: 50,
-        batch_size: 1,
-        batch_wait: Duration::ZERO,
-        max_in_flight: 4,
+        prefetch: tuning.prefetch,
+        batch_size: tuning.batch_size,
+        batch_wait: Duration::from_millis(5),
+        max_in_flight: tuning.max_in_flight,
         max_attempts: 5,
         max_body_bytes: 64 * 1024,
         shutdown_timeout: Duration::from_secs(10),

@@ -9,9 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{
-    AmqpConfig, Outgoing, PublishOptions, PublishReport, json_properties, publish_all,
-};
+use crate::broker::{AmqpConfig, Outgoing, PublishOptions, PublishReport, publish_all};
 use crate::event::PaymentSucceeded;
 use crate::generate::{self, LoadSpec};
 
@@ -101,12 +99,7 @@ pub async fn run(
     let bodies = bodies(source)?;
     let messages: Vec<Outgoing> = bodies
         .into_iter()
-        .map(|body| Outgoing {
-            exchange: config.exchange.clone(),
-            routing_key: config.routing_key.clone(),
-            body,
-            properties: json_properties(),
-        })
+        .map(|body| Outgoing::json(&config.exchange, &config.routing_key, body))
         .collect();
     let report = publish_all(&config.amqp, &messages, &config.options, shutdown).await?;
     Ok(Summary {

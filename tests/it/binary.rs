@@ -12,27 +12,9 @@ use idem::store::migrate;
 use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, wait_for};
 use idem::worker::Mode;
 
-const IDEM: &str = env!("CARGO_BIN_EXE_idem");
-
-/// `idem` with the environment pointing at `env`'s schema and topology.
+/// `idem` pointed at `env`'s schema and topology and the local services.
 fn idem(env: &TestEnv) -> Command {
-    let mut command = Command::new(IDEM);
-    command
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("AMQP_URL", amqp_url())
-        .env("DATABASE_URL", DATABASE_URL)
-        .env("IDEM_SCHEMA", &env.schema)
-        .env("IDEM_EXCHANGE", &env.topology.exchange)
-        .env("IDEM_QUEUE", &env.topology.queue)
-        .env(
-            "IDEM_DEAD_LETTER_EXCHANGE",
-            &env.topology.dead_letter_exchange,
-        )
-        .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
-    command
+    crate::helpers::idem_command(env, &amqp_url(), DATABASE_URL)
 }
 
 async fn output(mut command: Command) -> anyhow::Result<(Option<i32>, String, String)> {

@@ -213,12 +213,11 @@ async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queu
     env.declare(&other).await?;
     env.publish_bodies(&[b"not an event".to_vec()]).await?;
     let worker = RunningWorker::start(env.worker_config(Mode::Batch));
-    worker.wait_finished(1, Duration::from_secs(20)).await?;
-    worker.stop().await?;
-    wait_for("the dead letter", Duration::from_secs(10), || async {
+    wait_for("the dead letter", Duration::from_secs(30), || async {
         Ok(env.ready(&env.topology.dead_letter_queue).await? == 1)
     })
     .await?;
+    worker.stop().await?;
     assert_eq!(
         env.ready(&other.queue).await?,
         1,

@@ -19,8 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::{
-    AmqpConfig, Outgoing, PublishOptions, PublishReport, Topology, connect, json_properties,
-    publish_all,
+    AmqpConfig, Outgoing, PublishOptions, PublishReport, Topology, connect, publish_all,
 };
 use idem::event::PaymentSucceeded;
 use idem::secret::SecretUrl;
@@ -191,11 +190,12 @@ impl TestEnv {
     pub async fn publish_bodies(&self, bodies: &[Vec<u8>]) -> anyhow::Result<PublishReport> {
         let messages: Vec<Outgoing> = bodies
             .iter()
-            .map(|body| Outgoing {
-                exchange: self.topology.exchange.clone(),
-                routing_key: self.topology.routing_key.clone(),
-                body: body.clone(),
-                properties: json_properties(),
+            .map(|body| {
+                Outgoing::json(
+                    &self.topology.exchange,
+                    &self.topology.routing_key,
+                    body.clone(),
+                )
             })
             .collect();
         let options = PublishOptions {
@@ -637,6 +637,22 @@ pub fn load(
     })
 }
 
+/// The `idem` binary with nothing of this process's environment but `PATH`,
+/// pointed at `env`'s schema and topology and at the given services.
+pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("AMQP_URL", amqp_url)
+        .env("DATABASE_URL", database_url)
+        .env("IDEM_SCHEMA", &env.schema)
+        .envs(idem::cli::topology_environment(&env.topology))
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
 /// `idem worker` as a real process, with its log in a file of its own.
 pub struct WorkerProcess {
     child: tokio::process::Child,
@@ -655,26 +671,12 @@ impl WorkerProcess {
     ) -> anyhow::Result<Self> {
         let log = std::env::temp_dir().join(format!("{}-{:08x}.log", env.name, fastrand::u32(..)));
         let file = std::fs::File::create(&log)?;
-        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idem"))
-            .env_clear()
-            .env("PATH", std::env::var("PATH").unwrap_or_default())
-            .env("AMQP_URL", amqp_url)
-            .env("DATABASE_URL", database_url)
-            .env("IDEM_SCHEMA", &env.schema)
-            .env("IDEM_EXCHANGE", &env.topology.exchange)
-            .env("IDEM_QUEUE", &env.topology.queue)
-            .env(
-                "IDEM_DEAD_LETTER_EXCHANGE",
-                &env.topology.dead_letter_exchange,
-            )
-            .env("IDEM_DEAD_LETTER_QUEUE", &env.topology.dead_letter_queue)
+        let child = idem_command(env, amqp_url, database_url)
             .env("RUST_LOG", "info")
             .args(["worker", "--mode", mode.as_flag()])
             .args(args)
-            .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(file)
-            .kill_on_drop(true)
             .spawn()?;
         Ok(Self { child, log })
     }

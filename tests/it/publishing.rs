@@ -7,17 +7,12 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::{Outgoing, PublishOptions, Refusal, json_properties, publish_all};
+use idem::broker::{Outgoing, PublishOptions, Refusal, publish_all};
 
 use crate::helpers::TestEnv;
 
 fn message(exchange: &str, routing_key: &str, body: &[u8]) -> Outgoing {
-    Outgoing {
-        exchange: exchange.into(),
-        routing_key: routing_key.into(),
-        body: body.to_vec(),
-        properties: json_properties(),
-    }
+    Outgoing::json(exchange, routing_key, body.to_vec())
 }
 
 const OPTIONS: PublishOptions = PublishOptions {
