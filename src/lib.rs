@@ -11,7 +11,7 @@
 //! - [`broker`] — RabbitMQ: connections, topology, confirmed publishing,
 //!   dead-letter headers.
 //! - [`worker`] — the consume loop: batches, processing, settling, shutdown.
-//! - [`commands`] — `publish`, `requeue` and `demo`.
+//! - [`commands`] — `publish`, `requeue`, `demo` and `bench`.
 //! - [`generate`] — reproducible loads with duplicates.
 //! - [`backoff`] — the retry schedules.
 //! - [`cli`] — flags and environment variables, turned into typed settings.

@@ -6,6 +6,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 use serde_json::{Value, json};
 
+use super::publisher::Outgoing;
+
 /// Names and limits of the objects one consumer group needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Topology {
@@ -81,6 +83,11 @@ impl TopologyError {
 }
 
 impl Topology {
+    /// A JSON event for this topology's exchange and routing key.
+    pub fn event(&self, body: Vec<u8>) -> Outgoing {
+        Outgoing::json(&self.exchange, &self.routing_key, body)
+    }
+
     /// The same objects under names that start with `prefix` (tests, demo).
     pub fn prefixed(prefix: &str) -> Self {
         let names = Self::default();

@@ -296,13 +296,7 @@ impl<'a> Bench<'a> {
     async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
         let messages: Vec<Outgoing> = bodies
             .iter()
-            .map(|body| {
-                Outgoing::json(
-                    &self.topology.exchange,
-                    &self.topology.routing_key,
-                    body.clone(),
-                )
-            })
+            .map(|body| self.topology.event(body.clone()))
             .collect();
         let options = PublishOptions {
             window: 2000,

@@ -92,7 +92,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
     let bodies = sample();
     let messages: Vec<Outgoing> = bodies
         .iter()
-        .map(|body| Outgoing::json(&topology.exchange, &topology.routing_key, body.clone()))
+        .map(|body| topology.event(body.clone()))
         .collect();
     let events = bodies
         .iter()

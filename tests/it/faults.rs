@@ -323,13 +323,7 @@ async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::R
     let load = load(&env, 20_000, 0.1, 100);
     let messages: Vec<idem::broker::Outgoing> = load
         .iter()
-        .map(|event| {
-            idem::broker::Outgoing::json(
-                &env.topology.exchange,
-                &env.topology.routing_key,
-                event.to_body(),
-            )
-        })
+        .map(|event| env.topology.event(event.to_body()))
         .collect();
     let amqp = idem::broker::AmqpConfig {
         url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),

@@ -190,13 +190,7 @@ impl TestEnv {
     pub async fn publish_bodies(&self, bodies: &[Vec<u8>]) -> anyhow::Result<PublishReport> {
         let messages: Vec<Outgoing> = bodies
             .iter()
-            .map(|body| {
-                Outgoing::json(
-                    &self.topology.exchange,
-                    &self.topology.routing_key,
-                    body.clone(),
-                )
-            })
+            .map(|body| self.topology.event(body.clone()))
             .collect();
         let options = PublishOptions {
             window: 500,
