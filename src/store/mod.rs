@@ -300,7 +300,8 @@ impl Store {
     ) -> Result<Claimed<'a>, StoreError> {
         // Distinct: a second copy in the same batch is a duplicate.
         let mut distinct: Vec<&'a PaymentSucceeded> = events.to_vec();
-        distinct.sort_unstable_by(|a, b| a.event_id.cmp(&b.event_id));
+        // Stable: of two copies, the one delivered first wins, as in per-message mode.
+        distinct.sort_by(|a, b| a.event_id.cmp(&b.event_id));
         distinct.dedup_by(|a, b| a.event_id == b.event_id);
         let event_ids: Vec<&'a str> = distinct.iter().map(|e| e.event_id.as_str()).collect();
         let order_ids: Vec<&str> = distinct.iter().map(|e| e.order_id.as_str()).collect();

@@ -145,3 +145,27 @@ in_both_modes!(
     two_workers_on_one_queue_apply_each_event_once,
     an_event_is_applied_once_per_consumer_group,
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_copies_in_one_batch_count_once_and_the_first_delivered_wins() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let store = idem::store::Store::new(env.pool.clone(), GROUP);
+    let first = payment("batch-event-1", "batch-order", 5);
+    let later_copy = payment("batch-event-1", "batch-order", 9);
+    let other = payment("batch-event-2", "batch-order", 1);
+
+    let mut claimed = store.apply(&[&first, &other, &later_copy]).await?;
+    assert!(claimed.take("batch-event-1"), "the first copy went in");
+    assert!(
+        !claimed.take("batch-event-1"),
+        "the second copy is a duplicate"
+    );
+    assert!(claimed.take("batch-event-2"));
+    assert_eq!(env.points("batch-order").await?, 6);
+
+    let mut again = store.apply(&[&later_copy, &other]).await?;
+    assert!(!again.take("batch-event-1") && !again.take("batch-event-2"));
+    assert_eq!(env.points("batch-order").await?, 6);
+    assert_eq!(env.records(GROUP).await?, 2);
+    Ok(())
+}
