@@ -10,4 +10,4 @@ pub use connection::{AmqpConfig, ConnectError, close, close_channel, connect, co
 pub use publisher::{
     ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, settle,
 };
-pub use topology::{Topology, TopologyError};
+pub use topology::{Topology, TopologyError, ready_messages};

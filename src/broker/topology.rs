@@ -210,6 +210,22 @@ impl Topology {
     }
 }
 
+/// Messages ready in `queue` (delivered but unacked ones not counted),
+/// without changing it: a passive declare.
+pub async fn ready_messages(channel: &Channel, queue: &str) -> lapin::Result<u32> {
+    let declared = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(declared.message_count())
+}
+
 fn field_table(arguments: &[(&str, Value)]) -> FieldTable {
     let mut table = FieldTable::default();
     for (key, value) in arguments {

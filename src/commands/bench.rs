@@ -20,12 +20,15 @@ use deadpool_postgres::Pool;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{AmqpConfig, Outgoing, PublishOptions, Topology, connect, publish_all};
+use crate::broker::{
+    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
+    ready_messages,
+};
 use crate::event::PaymentSucceeded;
 use crate::generate::{self, LoadSpec};
 use crate::store::{DatabaseConfig, migrate};
@@ -567,23 +570,12 @@ impl QueueProbe {
 
     /// Messages ready in `queue`.
     async fn ready(&self, queue: &str) -> anyhow::Result<u32> {
-        let queue = self
-            .channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        Ok(queue.message_count())
+        Ok(ready_messages(&self.channel, queue).await?)
     }
 
     async fn close(self) {
-        let _ = self.channel.close(200, "OK".into()).await;
-        let _ = self.connection.close(200, "OK".into()).await;
+        close_channel(&self.channel).await;
+        close(&self.connection).await;
     }
 }
 

@@ -7,12 +7,12 @@ use std::fmt;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::FieldTable;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{
     AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
+    ready_messages,
 };
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, migrate};
@@ -157,16 +157,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .try_get(0)?;
     let connection = connect(&amqp, "idem demo").await?;
     let channel = connection.create_channel().await?;
-    let dlq = channel
-        .queue_declare(
-            topology.dead_letter_queue.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
+    let dlq = ready_messages(&channel, &topology.dead_letter_queue).await?;
     close_channel(&channel).await;
     close(&connection).await;
     Ok(DemoReport {
@@ -175,7 +166,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         worker: stats.snapshot(),
         points,
         consume_records,
-        dead_letter_queue: (topology.dead_letter_queue, dlq.message_count()),
+        dead_letter_queue: (topology.dead_letter_queue, dlq),
     })
 }
 

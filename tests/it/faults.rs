@@ -303,10 +303,24 @@ async fn a_worker_started_before_its_services_answer_connects_once_they_do(
     let worker =
         RunningWorker::start(env.worker_config_via(mode, Some(broker.port), Some(database.port)));
 
-    // Both services are down for a while: that is the point of the test.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The worker keeps trying each service while it is down (PostgreSQL
+    // first: it waits for the database before the broker).
+    wait_for(
+        "attempts on PostgreSQL",
+        Duration::from_secs(20),
+        || async { Ok(database.turned_away() >= 3) },
+    )
+    .await?;
+    assert_eq!(
+        broker.turned_away(),
+        0,
+        "the broker is tried after the database answers"
+    );
     database.restore();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_for("attempts on RabbitMQ", Duration::from_secs(20), || async {
+        Ok(broker.turned_away() >= 3)
+    })
+    .await?;
     broker.restore();
 
     let load = load(&env, 200, 0.2, 5);

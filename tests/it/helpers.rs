@@ -10,10 +10,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use deadpool_postgres::Pool;
 use lapin::options::{
-    BasicGetOptions, BasicNackOptions, ExchangeDeleteOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    BasicGetOptions, BasicNackOptions, ExchangeDeleteOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -266,19 +264,10 @@ impl TestEnv {
     pub async fn ready(&self, queue: &str) -> anyhow::Result<u32> {
         let connection = self.connect().await?;
         let channel = connection.create_channel().await?;
-        let declared = channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let ready = idem::broker::ready_messages(&channel, queue).await;
         channel.close(200, "OK".into()).await?;
         connection.close(200, "OK".into()).await?;
-        Ok(declared.message_count())
+        Ok(ready?)
     }
 
     /// The messages in the dead-letter queue, left in place.

@@ -3,6 +3,7 @@
 //! servers.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
@@ -16,6 +17,8 @@ pub struct Proxy {
     open: watch::Sender<bool>,
     /// The forwarding tasks of live connections, aborted by a sever.
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// Connections closed at once because the proxy was severed.
+    turned_away: Arc<AtomicUsize>,
     acceptor: JoinHandle<()>,
 }
 
@@ -37,11 +40,19 @@ impl Proxy {
         let port = listener.local_addr()?.port();
         let (open, opened) = watch::channel(open);
         let connections = Arc::new(Mutex::new(Vec::new()));
-        let acceptor = tokio::spawn(accept(listener, upstream, opened, Arc::clone(&connections)));
+        let turned_away = Arc::new(AtomicUsize::new(0));
+        let acceptor = tokio::spawn(accept(
+            listener,
+            upstream,
+            opened,
+            Arc::clone(&connections),
+            Arc::clone(&turned_away),
+        ));
         Ok(Self {
             port,
             open,
             connections,
+            turned_away,
             acceptor,
         })
     }
@@ -59,6 +70,12 @@ impl Proxy {
         for connection in connections.drain(..) {
             connection.abort();
         }
+    }
+
+    /// How many connections were closed at once while severed: attempts of
+    /// a client that could not get through.
+    pub fn turned_away(&self) -> usize {
+        self.turned_away.load(Ordering::Relaxed)
     }
 
     /// Accepts connections again.
@@ -79,6 +96,7 @@ async fn accept(
     upstream: SocketAddr,
     open: watch::Receiver<bool>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    turned_away: Arc<AtomicUsize>,
 ) {
     loop {
         let Ok((client, _)) = listener.accept().await else {
@@ -88,6 +106,7 @@ async fn accept(
             // Severed: the connection is closed at once, as a server that
             // is going down would.
             drop(client);
+            turned_away.fetch_add(1, Ordering::Relaxed);
             continue;
         }
         let task = tokio::spawn(forward(client, upstream));
