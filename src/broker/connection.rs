@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use backon::Retryable;
+use backon::{BackoffBuilder, ExponentialBackoff, Retryable};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
@@ -109,6 +109,97 @@ pub async fn connect_with_retry(
     }
 }
 
+/// What the broker said when it closed a channel or the connection for a
+/// reason that reconnecting cannot fix: a missing exchange or queue, no
+/// permission, a message it will not take. `None` for anything else, a lost
+/// connection above all.
+pub fn refusal(error: &lapin::Error) -> Option<String> {
+    let lapin::ErrorKind::ProtocolError(amqp) = error.kind() else {
+        return None;
+    };
+    let refused = matches!(
+        amqp.kind(),
+        AMQPErrorKind::Soft(
+            AMQPSoftError::NOTFOUND
+                | AMQPSoftError::ACCESSREFUSED
+                | AMQPSoftError::PRECONDITIONFAILED
+        ) | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+    );
+    refused.then(|| amqp.get_message().to_string())
+}
+
+/// Of two errors that ended a session, the one that explains it: a refusal
+/// over the errors it caused (operations on the channel it closed).
+pub fn first_refusal(kept: Option<lapin::Error>, new: lapin::Error) -> Option<lapin::Error> {
+    match kept {
+        Some(kept) if refusal(&kept).is_some() || refusal(&new).is_none() => Some(kept),
+        _ => Some(new),
+    }
+}
+
+/// Why a loop that reconnects after every lost session stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// No connection could be opened.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The broker closed the channel for a reason reconnecting cannot fix.
+    #[error("RabbitMQ refused: {0}")]
+    Refused(String),
+    /// Session after session ended before getting anything done.
+    #[error("RabbitMQ keeps ending the session before anything is done ({0}); giving up")]
+    NoProgress(String),
+}
+
+/// Paces a loop that opens a new session after each lost one: at once after
+/// a session that got something done, with growing waits (and jitter) after
+/// sessions that did not, so that a broker that keeps closing the channel is
+/// not hammered; gives up once those waits add up to the patience.
+#[derive(Debug)]
+pub struct Reconnects {
+    patience: Duration,
+    waits: ExponentialBackoff,
+}
+
+impl Reconnects {
+    /// Pacing that gives up after `patience` of waiting without progress.
+    pub fn new(patience: Duration) -> Self {
+        Self {
+            patience,
+            waits: crate::backoff::until(patience).build(),
+        }
+    }
+
+    /// Decides what follows a session that ended with `error`: an error
+    /// when reconnecting cannot help, otherwise a wait (none if the session
+    /// `progressed`), cut short by `shutdown`.
+    pub async fn after(
+        &mut self,
+        error: &lapin::Error,
+        progressed: bool,
+        shutdown: &CancellationToken,
+    ) -> Result<(), SessionError> {
+        if let Some(reason) = refusal(error) {
+            return Err(SessionError::Refused(reason));
+        }
+        if progressed {
+            self.waits = crate::backoff::until(self.patience).build();
+            return Ok(());
+        }
+        let Some(wait) = self.waits.next() else {
+            return Err(SessionError::NoProgress(error.to_string()));
+        };
+        warn!(
+            "{error}; reconnecting to RabbitMQ in {:.1}s",
+            wait.as_secs_f64()
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => Ok(()),
+            () = shutdown.cancelled() => Ok(()),
+        }
+    }
+}
+
 /// Closes `connection` cleanly if it is still open; gives up after a few
 /// seconds (a connection that just broke may never answer the close).
 pub async fn close(connection: &Connection) {
@@ -120,4 +211,54 @@ pub async fn close(connection: &Connection) {
 pub async fn close_channel(channel: &lapin::Channel) {
     let closing = channel.close(200, "OK".into());
     let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::protocol::AMQPError;
+
+    use super::*;
+
+    fn closed_with(kind: AMQPErrorKind, text: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into()
+    }
+
+    fn lost() -> lapin::Error {
+        lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset,
+        )))
+        .into()
+    }
+
+    #[test]
+    fn a_missing_object_or_permission_is_a_refusal_and_a_lost_connection_is_not() {
+        let missing = closed_with(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "NOT_FOUND - no exchange 'x' in vhost '/'",
+        );
+        assert_eq!(
+            refusal(&missing).as_deref(),
+            Some("NOT_FOUND - no exchange 'x' in vhost '/'")
+        );
+        let forbidden = closed_with(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED), "403");
+        assert!(refusal(&forbidden).is_some());
+        let forced = closed_with(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED), "320");
+        assert_eq!(
+            refusal(&forced),
+            None,
+            "an operator closing us is worth a reconnect"
+        );
+        assert_eq!(refusal(&lost()), None);
+    }
+
+    #[test]
+    fn the_refusal_explains_a_session_over_the_errors_it_caused() {
+        let missing = || closed_with(AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND), "404");
+        let kept = first_refusal(first_refusal(None, lost()), missing());
+        assert!(kept.as_ref().and_then(refusal).is_some());
+        let kept = first_refusal(first_refusal(None, missing()), lost());
+        assert!(kept.as_ref().and_then(refusal).is_some());
+        let kept = first_refusal(None, lost());
+        assert!(kept.as_ref().and_then(refusal).is_none());
+    }
 }

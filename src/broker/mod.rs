@@ -6,7 +6,10 @@ pub mod death;
 mod publisher;
 mod topology;
 
-pub use connection::{AmqpConfig, ConnectError, close, close_channel, connect, connect_with_retry};
+pub use connection::{
+    AmqpConfig, ConnectError, Reconnects, SessionError, close, close_channel, connect,
+    connect_with_retry, first_refusal, refusal,
+};
 pub use publisher::{
     ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, settle,
 };

@@ -11,7 +11,9 @@ use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use super::connection::{AmqpConfig, ConnectError, close, close_channel, connect_with_retry};
+use super::connection::{
+    AmqpConfig, Reconnects, SessionError, close, close_channel, connect_with_retry, first_refusal,
+};
 
 /// A message to publish.
 #[derive(Debug, Clone)]
@@ -157,17 +159,21 @@ pub struct PublishOptions {
 /// When the connection drops, it reconnects and sends again every message
 /// whose confirm did not arrive; a message may therefore arrive twice, which
 /// the consumer's deduplication absorbs. Stops early when `shutdown` fires,
-/// after the outstanding confirms arrive.
+/// after the outstanding confirms arrive. Fails when the broker refuses the
+/// messages outright (no such exchange, no permission): sending them again
+/// would not help.
 pub async fn publish_all(
     amqp: &AmqpConfig,
     messages: &[Outgoing],
     options: &PublishOptions,
     shutdown: &CancellationToken,
-) -> Result<PublishReport, ConnectError> {
+) -> Result<PublishReport, SessionError> {
     let mut report = PublishReport::default();
     let mut todo: VecDeque<usize> = (0..messages.len()).collect();
     let mut sent = vec![false; messages.len()];
+    let mut reconnects = Reconnects::new(options.patience);
     loop {
+        let settled = report.confirmed + report.refused.len();
         let connection =
             connect_with_retry(amqp, "idem publish", options.patience, shutdown).await?;
         let lost = match ConfirmChannel::open(&connection).await {
@@ -189,6 +195,18 @@ pub async fn publish_all(
         close(&connection).await;
         match lost {
             Some(error) if !shutdown.is_cancelled() => {
+                let progressed = report.confirmed + report.refused.len() > settled;
+                reconnects
+                    .after(&error, progressed, shutdown)
+                    .await
+                    .map_err(|error| match error {
+                        SessionError::Refused(reason) => SessionError::Refused(format!(
+                            "{reason} ({} of {} messages were confirmed before)",
+                            report.confirmed,
+                            messages.len()
+                        )),
+                        other => other,
+                    })?;
                 warn!(%error, unconfirmed = todo.len(), "connection to RabbitMQ lost while publishing; reconnecting");
                 report.reconnects += 1;
             }
@@ -234,7 +252,7 @@ impl Batch<'_> {
                     }
                     Err(error) => {
                         self.todo.push_front(index);
-                        lost = Some(error);
+                        lost = first_refusal(lost, error);
                     }
                 }
             }
@@ -246,7 +264,7 @@ impl Batch<'_> {
                 Ok(Err(refusal)) => self.report.refused.push((index, refusal)),
                 Err(error) => {
                     self.todo.push_back(index);
-                    lost.get_or_insert(error);
+                    lost = first_refusal(lost, error);
                 }
             }
         }

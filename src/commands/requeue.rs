@@ -8,6 +8,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use anyhow::Context;
 use lapin::Channel;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
@@ -17,7 +18,7 @@ use tracing::warn;
 
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, Outgoing, close, close_channel, connect_with_retry,
+    AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
 };
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
@@ -89,7 +90,9 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
         ..Report::default()
     };
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    let mut reconnects = Reconnects::new(config.patience);
     loop {
+        let done = report.replayed.len() + report.failed.len() + report.listed.len();
         let connection =
             connect_with_retry(&config.amqp, "idem requeue", config.patience, shutdown).await?;
         let pass = Pass {
@@ -119,6 +122,15 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
                 return Ok(report);
             }
             Err(PassError::Broker(error)) => {
+                let progressed =
+                    report.replayed.len() + report.failed.len() + report.listed.len() > done;
+                reconnects
+                    .after(&error, progressed, shutdown)
+                    .await
+                    .context(
+                        "cannot replay from the dead-letter queue (what was not replayed is \
+                         still there)",
+                    )?;
                 report.reconnects += 1;
                 warn!(%error, "connection to RabbitMQ lost while replaying; reconnecting (unacked copies are back in the dead-letter queue)");
             }

@@ -133,21 +133,62 @@ async fn migrations_are_idempotent_and_safe_to_run_concurrently() -> anyhow::Res
     Ok(())
 }
 
+/// `idem publish` of one event.
+const PUBLISH_ONE: [&str; 7] = [
+    "publish",
+    "--event-id",
+    "e-1",
+    "--order-id",
+    "o-1",
+    "--points",
+    "3",
+];
+
+/// A missing exchange or queue will not appear by reconnecting: `publish`
+/// and `requeue` stop at once with the broker's reason (they used to
+/// reconnect in a tight loop, hammering the broker, until killed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_or_dead_letter_queue_ends_publish_or_requeue_at_once()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let missing_exchange = format!("{}.missing", env.topology.exchange);
+    let missing_queue = format!("{}.missing", env.topology.dead_letter_queue);
+    let publish = [
+        &["--exchange", missing_exchange.as_str()][..],
+        &PUBLISH_ONE[..],
+    ]
+    .concat();
+    let requeue = ["--dead-letter-queue", missing_queue.as_str(), "requeue"];
+    for (args, missing) in [
+        (&publish[..], &missing_exchange),
+        (&requeue[..], &missing_queue),
+    ] {
+        let mut command = idem(&env);
+        command.args(args).env("IDEM_STARTUP_TIMEOUT", "30s");
+        // Retrying would log a line per attempt and, after 30 s of waits,
+        // end with a different error: one line saying "refused" is no retry.
+        let (code, stdout, stderr) = output(command).await?;
+        assert_eq!(code, Some(1), "{args:?}: {stdout}{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("idem: ")
+                && stderr.contains("refused")
+                && stderr.contains("NOT_FOUND")
+                && stderr.contains(missing.as_str()),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_exits_non_zero_when_a_message_is_returned() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let mut command = idem(&env);
-    command.args([
-        "--routing-key",
-        "routes.nowhere",
-        "publish",
-        "--event-id",
-        "e-1",
-        "--order-id",
-        "o-1",
-        "--points",
-        "3",
-    ]);
+    command
+        .args(["--routing-key", "routes.nowhere"])
+        .args(PUBLISH_ONE);
     let (code, stdout, stderr) = output(command).await?;
     assert_eq!(code, Some(1), "{stdout}{stderr}");
     assert!(

@@ -7,7 +7,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::{Outgoing, PublishOptions, Refusal, publish_all};
+use idem::broker::{Outgoing, PublishOptions, Refusal, SessionError, publish_all};
 
 use crate::helpers::TestEnv;
 
@@ -88,5 +88,38 @@ async fn a_publish_to_a_full_queue_is_reported_as_nacked() -> anyhow::Result<()>
         report.refused,
         vec![(1, Refusal::Nacked), (2, Refusal::Nacked)]
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_to_a_missing_exchange_fails_with_the_brokers_reason() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let missing = format!("{}.missing", env.topology.exchange);
+    let messages: Vec<Outgoing> = (0..3)
+        .map(|_| message(&missing, &env.topology.routing_key, b"{}"))
+        .collect();
+    let options = PublishOptions {
+        // Long enough that running out of patience could not pass for a refusal.
+        patience: Duration::from_secs(600),
+        ..OPTIONS
+    };
+    let never = CancellationToken::new();
+    let publishing = publish_all(&env.amqp, &messages, &options, &never);
+    let outcome = tokio::time::timeout(Duration::from_secs(60), publishing)
+        .await
+        .map_err(|_| anyhow::anyhow!("publish_all kept retrying a refused publish"))?;
+    match outcome {
+        Err(SessionError::Refused(reason)) => {
+            assert!(
+                reason.contains("NOT_FOUND") && reason.contains(&missing),
+                "{reason}"
+            );
+            assert!(
+                reason.contains("0 of 3 messages were confirmed"),
+                "{reason}"
+            );
+        }
+        other => anyhow::bail!("expected a refusal, got {other:?}"),
+    }
     Ok(())
 }
