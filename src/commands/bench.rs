@@ -107,6 +107,11 @@ const CEILING: &str = "1 ceiling (ack multiple, no database)";
 const PER_MESSAGE: &str = "2 per-message";
 const BATCH: &str = "3 batch";
 
+/// A mode's key without the digit that orders the printout.
+fn label(key: &str) -> &str {
+    key.split_once(' ').map_or(key, |(_, name)| name)
+}
+
 /// Runs every round and returns the measurements. Stops early, removing
 /// what it created, when `shutdown` fires.
 pub async fn run(
@@ -178,7 +183,7 @@ impl Bench<'_> {
                 bench.publish(&bodies).await?;
                 settle_down().await;
                 let measured = bench.worker(&args, &load).await?;
-                eprintln!("  {mode:<12} {:>9.0} msgs/s", measured.rate);
+                eprintln!("  {:<12} {:>9.0} msgs/s", label(mode), measured.rate);
                 report.rounds.entry(mode).or_default().push(measured);
             }
             if config.pgbench {
@@ -732,7 +737,7 @@ impl fmt::Display for BenchReport {
             writeln!(
                 f,
                 "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13}",
-                mode.split_once(' ').map_or(*mode, |(_, name)| name),
+                label(mode),
                 rate,
                 show(of_ceiling, 2),
                 show(median_of(|m| m.cpu_us_per_message), 1),
