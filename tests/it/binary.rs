@@ -9,7 +9,7 @@ use tokio::process::Command;
 use idem::event::PaymentSucceeded;
 use idem::store::migrate;
 
-use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, wait_for};
+use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, patient, wait_for};
 use idem::worker::Mode;
 
 /// `idem` pointed at `env`'s schema and topology and the local services.
@@ -18,9 +18,10 @@ fn idem(env: &TestEnv) -> Command {
 }
 
 async fn output(mut command: Command) -> anyhow::Result<(Option<i32>, String, String)> {
-    let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+    let timeout = patient(Duration::from_secs(60));
+    let output = tokio::time::timeout(timeout, command.output())
         .await
-        .context("the command did not finish within 60 s")??;
+        .with_context(|| format!("the command did not finish within {timeout:?}"))??;
     Ok((
         output.status.code(),
         String::from_utf8_lossy(&output.stdout).into_owned(),
@@ -78,7 +79,7 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
         let (code, _, stderr) = output(command).await?;
         assert_eq!(code, Some(1), "{stderr}");
         assert!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < patient(Duration::from_secs(10)),
             "it retried a refusal"
         );
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
@@ -258,7 +259,7 @@ async fn sigterm_with_deliveries_in_flight_commits_acks_and_exits_zero(
         .status()
         .await?;
     assert!(killed.success());
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait()).await??;
+    let status = tokio::time::timeout(patient(Duration::from_secs(30)), child.wait()).await??;
     let mut stderr = String::new();
     if let Some(mut pipe) = child.stderr.take() {
         use tokio::io::AsyncReadExt;
@@ -305,7 +306,7 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
         let (code, _, stderr) = output(command).await?;
         assert_eq!(code, Some(1), "{stderr}");
         assert!(
-            started.elapsed() < Duration::from_secs(10),
+            started.elapsed() < patient(Duration::from_secs(10)),
             "it waited for a refusal"
         );
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
@@ -320,6 +321,7 @@ async fn worker_holding_deliveries(
     mode: Mode,
     database: &crate::proxy::Proxy,
     load: &[PaymentSucceeded],
+    shutdown_timeout: &str,
 ) -> anyhow::Result<crate::helpers::WorkerProcess> {
     env.publish_events(load).await?;
     let worker = crate::helpers::WorkerProcess::spawn(
@@ -327,7 +329,7 @@ async fn worker_holding_deliveries(
         mode,
         &amqp_url(),
         &env.database_url_via(database.port),
-        &["--shutdown-timeout", "2s", "--prefetch", "10"],
+        &["--shutdown-timeout", shutdown_timeout, "--prefetch", "10"],
     )?;
     wait_for("some commits", Duration::from_secs(30), || async {
         Ok(env.records(GROUP).await? >= 5)
@@ -349,7 +351,7 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
     let env = TestEnv::new().await?;
     let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
-    let mut worker = worker_holding_deliveries(&env, mode, &database, &load).await?;
+    let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "2s").await?;
 
     worker.signal("-TERM").await?;
     let started = std::time::Instant::now();
@@ -357,7 +359,7 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
     let log = worker.log();
     assert_eq!(code, Some(0), "{log}");
     assert!(
-        started.elapsed() < Duration::from_secs(8),
+        started.elapsed() < patient(Duration::from_secs(8)),
         "took {:?}",
         started.elapsed()
     );
@@ -379,7 +381,8 @@ async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
-    let mut worker = worker_holding_deliveries(&env, mode, &database, &load).await?;
+    // Far longer than the test may take: only the second signal can end it.
+    let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "10m").await?;
 
     worker.signal("-TERM").await?;
     wait_for(
@@ -393,7 +396,7 @@ async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     let code = worker.wait(Duration::from_secs(10)).await?;
     assert_eq!(code, Some(130), "{}", worker.log());
     assert!(
-        started.elapsed() < Duration::from_secs(1),
+        started.elapsed() < patient(Duration::from_secs(1)),
         "took {:?}",
         started.elapsed()
     );

@@ -9,7 +9,7 @@ use idem::broker::death::REPLAY_HEADER;
 use idem::commands::requeue::{self, RequeueConfig};
 use idem::event::PaymentSucceeded;
 
-use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};
+use crate::helpers::{GROUP, RunningWorker, TestEnv, patient, wait_for};
 use idem::worker::Mode;
 
 fn requeue_config(env: &TestEnv, dry_run: bool) -> RequeueConfig {
@@ -20,7 +20,7 @@ fn requeue_config(env: &TestEnv, dry_run: bool) -> RequeueConfig {
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
         limit: None,
         dry_run,
-        patience: Duration::from_secs(5),
+        patience: patient(Duration::from_secs(5)),
     }
 }
 

@@ -10,7 +10,7 @@ use idem::event::PaymentSucceeded;
 
 use crate::helpers::{
     DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_port, amqp_url, assert_exact,
-    load, wait_for,
+    load, patient, wait_for,
 };
 use crate::proxy::Proxy;
 use idem::worker::Mode;
@@ -130,7 +130,14 @@ async fn a_thirty_second_database_outage_dead_letters_nothing_and_the_worker_res
         Ok(worker.stats.snapshot().infrastructure_retries > 0)
     })
     .await?;
-    // Commits PostgreSQL received before the cut are done by now.
+    // A commit PostgreSQL received before the cut still completes; the
+    // worker's sessions end once theirs is done and they find the socket closed.
+    wait_for(
+        "the worker's severed sessions to end",
+        Duration::from_secs(20),
+        || async { Ok(env.sessions_named(&env.name).await? == 0) },
+    )
+    .await?;
     let during = env.records(GROUP).await?;
     // The outage itself is what is under test: thirty seconds of it.
     tokio::time::sleep(Duration::from_secs(30)).await;
@@ -344,7 +351,7 @@ async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::R
     };
     let options = idem::broker::PublishOptions {
         window: 256,
-        patience: Duration::from_secs(20),
+        patience: patient(Duration::from_secs(20)),
     };
     let publishing = tokio::spawn(async move {
         idem::broker::publish_all(
@@ -414,7 +421,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
         limit: None,
         dry_run: false,
-        patience: Duration::from_secs(20),
+        patience: patient(Duration::from_secs(20)),
     };
     let replaying = tokio::spawn(async move {
         idem::commands::requeue::run(&config, &tokio_util::sync::CancellationToken::new()).await

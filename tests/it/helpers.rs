@@ -79,7 +79,7 @@ impl TestEnv {
             url: SecretUrl::new(DATABASE_URL),
             schema: Some(schema.clone()),
             pool_size: 4,
-            connect_timeout: Duration::from_secs(5),
+            connect_timeout: patient(Duration::from_secs(5)),
         };
         let pool = database.pool()?;
         migrate::run(&pool, Some(&schema)).await?;
@@ -139,8 +139,8 @@ impl TestEnv {
             max_in_flight: tuning.max_in_flight,
             max_attempts: 5,
             max_body_bytes: 64 * 1024,
-            shutdown_timeout: Duration::from_secs(10),
-            startup_timeout: Duration::from_secs(10),
+            shutdown_timeout: patient(Duration::from_secs(10)),
+            startup_timeout: patient(Duration::from_secs(10)),
         }
     }
 
@@ -192,7 +192,7 @@ impl TestEnv {
             .collect();
         let options = PublishOptions {
             window: 500,
-            patience: Duration::from_secs(10),
+            patience: patient(Duration::from_secs(10)),
         };
         let report =
             publish_all(&self.amqp, &messages, &options, &CancellationToken::new()).await?;
@@ -230,6 +230,19 @@ impl TestEnv {
             .query_one(
                 "SELECT count(*) FROM mq_consume_record WHERE consumer_group = $1",
                 &[&group],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// PostgreSQL sessions whose `application_name` is `name` (see
+    /// [`Self::database_url_via`]).
+    pub async fn sessions_named(&self, name: &str) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+                &[&name],
             )
             .await?;
         Ok(row.get(0))
@@ -501,11 +514,29 @@ async fn sweep() -> anyhow::Result<()> {
 }
 
 /// Waits until `condition` holds, checking every 25 ms, for at most `timeout`.
+/// How much slower than a quiet machine this run may be: `IDEM_TEST_SLACK`
+/// (a factor, 1 unless set; `.ci/run` sets more, for a shared machine whose
+/// speed can drop tenfold). Every deadline of the suite is `patient(d)`.
+pub fn slack() -> f64 {
+    std::env::var("IDEM_TEST_SLACK")
+        .ok()
+        .and_then(|factor| factor.parse::<f64>().ok())
+        .filter(|factor| factor.is_finite() && *factor >= 1.0)
+        .unwrap_or(1.0)
+}
+
+/// A deadline that was right on a quiet machine, stretched by [`slack`].
+pub fn patient(deadline: Duration) -> Duration {
+    deadline.mul_f64(slack())
+}
+
+/// Polls `condition` until it holds, failing after `patient(timeout)`.
 pub async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut condition: F) -> anyhow::Result<()>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = anyhow::Result<bool>>,
 {
+    let timeout = patient(timeout);
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if condition()
@@ -547,7 +578,7 @@ impl RunningWorker {
     /// Asks it to stop and waits until it has.
     pub async fn stop(self) -> anyhow::Result<()> {
         self.shutdown.cancel();
-        Ok(tokio::time::timeout(Duration::from_secs(30), self.handle).await???)
+        Ok(tokio::time::timeout(patient(Duration::from_secs(30)), self.handle).await???)
     }
 
     /// Waits until it has finished (acked or dead-lettered) `n` deliveries.
@@ -681,8 +712,9 @@ impl WorkerProcess {
         Ok(())
     }
 
-    /// Waits for it to exit, for at most `timeout`; returns its exit code.
+    /// Waits for it to exit, for at most `patient(timeout)`; returns its exit code.
     pub async fn wait(&mut self, timeout: Duration) -> anyhow::Result<Option<i32>> {
+        let timeout = patient(timeout);
         let status = tokio::time::timeout(timeout, self.child.wait())
             .await
             .with_context(|| {

@@ -9,16 +9,18 @@ use tokio_util::sync::CancellationToken;
 
 use idem::broker::{Outgoing, PublishOptions, Refusal, SessionError, publish_all};
 
-use crate::helpers::TestEnv;
+use crate::helpers::{TestEnv, patient};
 
 fn message(exchange: &str, routing_key: &str, body: &[u8]) -> Outgoing {
     Outgoing::json(exchange, routing_key, body.to_vec())
 }
 
-const OPTIONS: PublishOptions = PublishOptions {
-    window: 16,
-    patience: Duration::from_secs(5),
-};
+fn options() -> PublishOptions {
+    PublishOptions {
+        window: 16,
+        patience: patient(Duration::from_secs(5)),
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_publish_is_reported_as_returned() -> anyhow::Result<()> {
@@ -27,7 +29,7 @@ async fn an_unroutable_publish_is_reported_as_returned() -> anyhow::Result<()> {
         message(&env.topology.exchange, &env.topology.routing_key, b"{}"),
         message(&env.topology.exchange, "no.queue.is.bound.for.this", b"{}"),
     ];
-    let report = publish_all(&env.amqp, &messages, &OPTIONS, &CancellationToken::new()).await?;
+    let report = publish_all(&env.amqp, &messages, &options(), &CancellationToken::new()).await?;
     assert_eq!(report.confirmed, 1);
     assert_eq!(
         report.refused,
@@ -71,7 +73,7 @@ async fn a_publish_to_a_full_queue_is_reported_as_nacked() -> anyhow::Result<()>
     let messages: Vec<Outgoing> = (0..3).map(|_| message("", &queue, b"{}")).collect();
     let options = PublishOptions {
         window: 1,
-        ..OPTIONS
+        ..options()
     };
     let report = publish_all(&env.amqp, &messages, &options, &CancellationToken::new()).await;
     // Remove the queue before asserting.
@@ -101,11 +103,11 @@ async fn a_publish_to_a_missing_exchange_fails_with_the_brokers_reason() -> anyh
     let options = PublishOptions {
         // Long enough that running out of patience could not pass for a refusal.
         patience: Duration::from_secs(600),
-        ..OPTIONS
+        ..options()
     };
     let never = CancellationToken::new();
     let publishing = publish_all(&env.amqp, &messages, &options, &never);
-    let outcome = tokio::time::timeout(Duration::from_secs(60), publishing)
+    let outcome = tokio::time::timeout(patient(Duration::from_secs(60)), publishing)
         .await
         .map_err(|_| anyhow::anyhow!("publish_all kept retrying a refused publish"))?;
     match outcome {
