@@ -19,6 +19,7 @@ use tracing::warn;
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
     AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
+    settle,
 };
 use crate::event::PaymentSucceeded;
 use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
@@ -173,6 +174,18 @@ struct Pass<'a> {
     held: Vec<DeliveryTag>,
 }
 
+/// Most messages taken from the dead-letter queue before their replays are
+/// sent: one ledger statement and one wait for confirms per chunk, instead
+/// of one of each per message.
+const CHUNK: usize = 128;
+
+/// A dead letter on its way back to the queue it died in.
+struct Replay {
+    entry: Entry,
+    tag: DeliveryTag,
+    message: Outgoing,
+}
+
 impl Pass<'_> {
     async fn run(
         mut self,
@@ -189,20 +202,28 @@ impl Pass<'_> {
             .map(|limit| limit.saturating_sub(self.report.replayed.len()));
         self.report.failed.clear();
         self.report.listed.clear();
-        while self.remaining != Some(0) && !shutdown.is_cancelled() {
-            let Some(message) = getter
-                .basic_get(
-                    self.config.dead_letter_queue.as_str().into(),
-                    BasicGetOptions { no_ack: false },
-                )
-                .await?
-            else {
-                break;
-            };
-            let in_queue = message.message_count as usize + 1;
-            let remaining = self.remaining.get_or_insert(in_queue);
-            *remaining = (*remaining).min(in_queue) - 1;
-            self.handle(&getter, &publisher, message.delivery).await?;
+        let mut drained = false;
+        while !drained && self.remaining != Some(0) && !shutdown.is_cancelled() {
+            let mut chunk = Vec::new();
+            while chunk.len() < CHUNK && self.remaining != Some(0) {
+                let Some(message) = getter
+                    .basic_get(
+                        self.config.dead_letter_queue.as_str().into(),
+                        BasicGetOptions { no_ack: false },
+                    )
+                    .await?
+                else {
+                    drained = true;
+                    break;
+                };
+                let in_queue = message.message_count as usize + 1;
+                let remaining = self.remaining.get_or_insert(in_queue);
+                *remaining = (*remaining).min(in_queue) - 1;
+                if let Some(replay) = self.sort(message.delivery) {
+                    chunk.push(replay);
+                }
+            }
+            self.replay(&getter, &publisher, chunk).await?;
         }
         if let Some(&last) = self.held.iter().max() {
             // Give back, in their places, what was listed or could not be replayed.
@@ -221,18 +242,15 @@ impl Pass<'_> {
         Ok(())
     }
 
-    async fn handle(
-        &mut self,
-        getter: &Channel,
-        publisher: &ConfirmChannel,
-        delivery: Delivery,
-    ) -> Result<(), PassError> {
+    /// What to do with a dead letter: the replay to send, or nothing when
+    /// it is only listed (a dry run) or cannot be replayed (it is held).
+    fn sort(&mut self, delivery: Delivery) -> Option<Replay> {
         let entry = Entry::of(&delivery);
         let tag = delivery.delivery_tag;
         if self.config.dry_run {
             self.report.listed.push(entry);
             self.held.push(tag);
-            return Ok(());
+            return None;
         }
         let Some(death) = &entry.death else {
             self.report.failed.push((
@@ -240,17 +258,13 @@ impl Pass<'_> {
                 "no x-death header: cannot tell which queue it died in".into(),
             ));
             self.held.push(tag);
-            return Ok(());
+            return None;
         };
-        // A replay starts a fresh budget of attempts.
-        if let Ok(event) = PaymentSucceeded::parse(&delivery.data, usize::MAX) {
-            self.store.reset_ledger(&event.event_id).await?;
-        }
         let properties = delivery
             .properties
             .clone()
             .with_headers(replay_headers(delivery.properties.headers().as_ref()));
-        let replay = Outgoing {
+        let message = Outgoing {
             // The default exchange routes by queue name: the replay goes to
             // the queue it died in, not to every queue bound for the event.
             exchange: String::new(),
@@ -258,15 +272,46 @@ impl Pass<'_> {
             body: delivery.data,
             properties,
         };
-        match publisher.publish(&replay).await? {
-            Ok(()) => {
-                getter.basic_ack(tag, BasicAckOptions::default()).await?;
-                self.report.replayed.push(entry);
-            }
-            Err(refusal) => {
-                let why = format!("replay to queue '{}' {refusal}", death.queue);
-                self.report.failed.push((entry, why));
-                self.held.push(tag);
+        Some(Replay {
+            entry,
+            tag,
+            message,
+        })
+    }
+
+    /// Resets the failure ledger of the chunk's events, sends their replays,
+    /// and acks each dead-letter copy whose replay the broker confirmed.
+    async fn replay(
+        &mut self,
+        getter: &Channel,
+        publisher: &ConfirmChannel,
+        chunk: Vec<Replay>,
+    ) -> Result<(), PassError> {
+        // A replay starts a fresh budget of attempts: the reset goes first.
+        let events: Vec<PaymentSucceeded> = chunk
+            .iter()
+            .filter_map(|replay| PaymentSucceeded::parse(&replay.message.body, usize::MAX).ok())
+            .collect();
+        let event_ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
+        self.store.reset_ledger(&event_ids).await?;
+        let mut sent = Vec::with_capacity(chunk.len());
+        for replay in chunk {
+            let confirm = publisher.send(&replay.message).await?;
+            sent.push((replay, confirm));
+        }
+        for (replay, confirm) in sent {
+            match settle(confirm).await? {
+                Ok(()) => {
+                    getter
+                        .basic_ack(replay.tag, BasicAckOptions::default())
+                        .await?;
+                    self.report.replayed.push(replay.entry);
+                }
+                Err(refusal) => {
+                    let why = format!("replay to queue '{}' {refusal}", replay.message.routing_key);
+                    self.report.failed.push((replay.entry, why));
+                    self.held.push(replay.tag);
+                }
             }
         }
         Ok(())

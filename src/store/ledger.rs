@@ -44,7 +44,8 @@ const ENTRY: &str = "\
     SELECT failures, first_failed_at, last_failed_at, last_error FROM mq_failure_ledger \
     WHERE event_id = $1 AND consumer_group = $2";
 
-const RESET: &str = "DELETE FROM mq_failure_ledger WHERE event_id = $1 AND consumer_group = $2";
+const RESET: &str = "\
+    DELETE FROM mq_failure_ledger WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
 
 /// Counts one more failure of `event_id`; returns the count.
 pub(super) async fn record(
@@ -96,9 +97,11 @@ pub(super) async fn entry(
 
 pub(super) async fn reset(
     client: &impl GenericClient,
-    event_id: &str,
+    event_ids: &[&str],
     consumer_group: &str,
 ) -> Result<(), tokio_postgres::Error> {
-    client.execute(RESET, &[&event_id, &consumer_group]).await?;
+    client
+        .execute(RESET, &[&event_ids, &consumer_group])
+        .await?;
     Ok(())
 }

@@ -282,10 +282,13 @@ impl Store {
         Ok(ledger::entry(&client, event_id, &self.consumer_group).await?)
     }
 
-    /// Forgets the failures of `event_id`: a replay starts a fresh budget.
-    pub async fn reset_ledger(&self, event_id: &str) -> Result<(), StoreError> {
+    /// Forgets the failures of `event_ids`: a replay starts a fresh budget.
+    pub async fn reset_ledger(&self, event_ids: &[&str]) -> Result<(), StoreError> {
+        if event_ids.is_empty() {
+            return Ok(());
+        }
         let client = self.pool.get().await?;
-        Ok(ledger::reset(&client, event_id, &self.consumer_group).await?)
+        Ok(ledger::reset(&client, event_ids, &self.consumer_group).await?)
     }
 
     /// In one transaction: records each distinct event of `events` for this

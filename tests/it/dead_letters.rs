@@ -264,6 +264,79 @@ async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queu
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_rest()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // More than one chunk of replays, and a limit that ends inside the second.
+    let (total, limit) = (300, 200);
+    env.poison_order("60001").await?;
+    let events: Vec<PaymentSucceeded> = (0..total)
+        .map(|i| PaymentSucceeded {
+            event_id: format!("payment-success-60001-{i}"),
+            order_id: "60001".into(),
+            points: 1,
+        })
+        .collect();
+    env.publish_events(&events).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 1;
+    let worker = RunningWorker::start(config);
+    wait_for(
+        "every event dead-lettered",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == total) },
+    )
+    .await?;
+    worker.stop().await?;
+    let ledger = || async {
+        let client = env.pool.get().await?;
+        let rows = client
+            .query("SELECT event_id::text FROM mq_failure_ledger", &[])
+            .await?;
+        anyhow::Ok(
+            rows.iter()
+                .map(|row| row.get::<_, String>(0))
+                .collect::<std::collections::BTreeSet<_>>(),
+        )
+    };
+    assert_eq!(ledger().await?.len(), total as usize, "one ledger row each");
+
+    let config = RequeueConfig {
+        limit: Some(limit),
+        ..requeue_config(&env, false)
+    };
+    let report = requeue::run(&config, &CancellationToken::new()).await?;
+    assert!(report.succeeded(), "{report}");
+    assert_eq!(report.replayed.len(), limit);
+
+    let body_ids = |letters: Vec<crate::helpers::DeadLetter>| -> anyhow::Result<Vec<String>> {
+        letters
+            .iter()
+            .map(|letter| Ok(PaymentSucceeded::parse(&letter.body, usize::MAX)?.event_id))
+            .collect()
+    };
+    let replayed = body_ids(env.peek(&env.topology.queue).await?)?;
+    let left = body_ids(env.dead_letters().await?)?;
+    assert_eq!(
+        (replayed.len(), left.len()),
+        (limit, total as usize - limit)
+    );
+    // The replayed ones start with a fresh budget; the others keep theirs.
+    let still_failed = ledger().await?;
+    let left_set: std::collections::BTreeSet<String> = left.iter().cloned().collect();
+    assert_eq!(still_failed, left_set);
+    let mut all: Vec<String> = replayed.into_iter().chain(left).collect();
+    all.sort();
+    let mut expected: Vec<String> = events.into_iter().map(|e| e.event_id).collect();
+    expected.sort();
+    assert_eq!(
+        all, expected,
+        "every event exactly once, in one queue or the other"
+    );
+    Ok(())
+}
+
 in_both_modes!(
     invalid_messages_are_dead_lettered_at_once_and_the_worker_goes_on,
     a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_fixed,

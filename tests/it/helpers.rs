@@ -285,15 +285,17 @@ impl TestEnv {
 
     /// The messages in the dead-letter queue, left in place.
     pub async fn dead_letters(&self) -> anyhow::Result<Vec<DeadLetter>> {
+        self.peek(&self.topology.dead_letter_queue).await
+    }
+
+    /// The messages ready in `queue`, left in place.
+    pub async fn peek(&self, queue: &str) -> anyhow::Result<Vec<DeadLetter>> {
         let connection = self.connect().await?;
         let channel = connection.create_channel().await?;
         let mut letters = Vec::new();
         let mut last = None;
         while let Some(message) = channel
-            .basic_get(
-                self.topology.dead_letter_queue.as_str().into(),
-                BasicGetOptions { no_ack: false },
-            )
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
             .await?
         {
             last = Some(message.delivery.delivery_tag);
