@@ -128,6 +128,19 @@ pub fn refusal(error: &lapin::Error) -> Option<String> {
     refused.then(|| amqp.get_message().to_string())
 }
 
+/// What the broker said when it refused an operation for lack of
+/// permission (403 ACCESS_REFUSED).
+pub fn access_refused(error: &lapin::Error) -> Option<String> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp)
+            if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) =>
+        {
+            Some(amqp.get_message().to_string())
+        }
+        _ => None,
+    }
+}
+
 /// Of two errors that ended a session, the one that explains it: a refusal
 /// over the errors it caused (operations on the channel it closed).
 pub fn first_refusal(kept: Option<lapin::Error>, new: lapin::Error) -> Option<lapin::Error> {

@@ -55,6 +55,16 @@ pub enum TopologyError {
         /// What the broker said.
         broker: String,
     },
+    /// The user has no permission to declare or bind it (403).
+    #[error(
+        "RabbitMQ refused to declare {object}: {broker}; grant the user configure, write and read permissions on it"
+    )]
+    Refused {
+        /// Which object.
+        object: String,
+        /// What the broker said.
+        broker: String,
+    },
     /// Any other failure (the connection dropped, say).
     #[error("declaring {object} failed: {source}")]
     Broker {
@@ -77,7 +87,10 @@ impl TopologyError {
                     broker: amqp.get_message().to_string(),
                 }
             }
-            _ => TopologyError::Broker { object, source },
+            _ => match super::connection::access_refused(&source) {
+                Some(broker) => TopologyError::Refused { object, broker },
+                None => TopologyError::Broker { object, source },
+            },
         }
     }
 }

@@ -128,7 +128,8 @@ pub enum WorkerError {
     /// The broker refused us, or stayed unreachable past the start-up timeout.
     #[error(transparent)]
     Connect(#[from] ConnectError),
-    /// The broker holds objects that disagree with idem's settings.
+    /// The broker holds objects that disagree with idem's settings, or the
+    /// user may not declare them.
     #[error(transparent)]
     Topology(#[from] TopologyError),
 }
@@ -229,7 +230,9 @@ impl Worker {
     ) -> Result<SessionEnd, WorkerError> {
         let channel = match open_channel(connection, &self.config).await {
             Ok(channel) => channel,
-            Err(OpenError::Topology(error @ TopologyError::Mismatch { .. })) => {
+            Err(OpenError::Topology(
+                error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. }),
+            )) => {
                 return Err(error.into());
             }
             Err(error) => return Ok(SessionEnd::Lost(error.to_string())),

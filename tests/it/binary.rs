@@ -315,6 +315,31 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_permission_on_its_queue_ends_the_worker_at_once() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Configure and write, but no read: declaring a queue with a
+    // dead-letter exchange needs read permission on it.
+    let vhost = crate::helpers::Vhost::add(".*", ".*", "^$")?;
+    let mut command = idem(&env);
+    command.env("AMQP_URL", vhost.amqp_url()).arg("worker");
+    let started = std::time::Instant::now();
+    let (code, _, stderr) = output(command).await?;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        started.elapsed() < patient(Duration::from_secs(10)),
+        "it retried a refusal"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("idem: RabbitMQ refused to declare queue")
+            && stderr.contains("ACCESS_REFUSED")
+            && stderr.contains("permissions"),
+        "{stderr}"
+    );
+    Ok(())
+}
+
 /// A worker holding deliveries it cannot commit: the database is cut off.
 async fn worker_holding_deliveries(
     env: &TestEnv,

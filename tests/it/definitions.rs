@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 
+use crate::helpers::{Vhost, rabbitmqctl_run};
+
 use idem::broker::{AmqpConfig, Topology, TopologyError, connect};
 use idem::secret::SecretUrl;
 
@@ -56,39 +58,12 @@ fn the_definitions_file_defines_the_user_vhost_and_permissions_the_worker_needs(
     Ok(())
 }
 
-fn rabbitmqctl(args: &[&str]) -> anyhow::Result<()> {
-    let output = crate::helpers::rabbitmqctl()
-        .args(args)
-        .output()
-        .context("running rabbitmqctl")?;
-    if !output.status.success() {
-        bail!(
-            "rabbitmqctl {args:?}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-    Ok(())
-}
-
-/// Deletes the vhost when the test ends, however it ends.
-struct Vhost(String);
-
-impl Drop for Vhost {
-    fn drop(&mut self) {
-        let _ = rabbitmqctl(&["delete_vhost", &self.0]);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() -> anyhow::Result<()>
 {
     // Import the file into a vhost of this test's own (users left out: this
     // is a shared broker) and let the worker's declarations meet it there.
-    let vhost = Vhost(format!(
-        "idem_t{}_{:08x}",
-        std::process::id(),
-        fastrand::u32(..)
-    ));
+    let vhost = Vhost::named();
     let mut file = definitions()?;
     let object = file.as_object_mut().context("not an object")?;
     object.remove("users");
@@ -105,7 +80,7 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
     let inside = format!("/tmp/{}.json", vhost.0);
     let outside = std::path::Path::new(&root).join(inside.trim_start_matches('/'));
     std::fs::write(&outside, serde_json::to_vec(&file)?)?;
-    let imported = rabbitmqctl(&["import_definitions", &inside]);
+    let imported = rabbitmqctl_run(&["import_definitions", &inside]);
     let _ = std::fs::remove_file(&outside);
     imported?;
     // The import finishes in the background: wait until its queues exist,
@@ -128,14 +103,10 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
             .all(|queue| names.lines().any(|line| line.trim() == queue.as_str())))
     })
     .await?;
-    rabbitmqctl(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
+    rabbitmqctl_run(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
 
     let amqp = AmqpConfig {
-        url: SecretUrl::new(format!(
-            "amqp://guest:guest@127.0.0.1:{}/{}",
-            crate::helpers::amqp_port(),
-            vhost.0
-        )),
+        url: SecretUrl::new(vhost.amqp_url()),
     };
     let connection = connect(&amqp, "idem definitions test").await?;
     let channel = connection.create_channel().await?;

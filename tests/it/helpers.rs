@@ -47,6 +47,59 @@ pub fn rabbitmqctl() -> std::process::Command {
     command.args(words);
     command
 }
+/// Runs `rabbitmqctl` with `args`; its error output becomes the error.
+pub fn rabbitmqctl_run(args: &[&str]) -> anyhow::Result<()> {
+    let output = rabbitmqctl()
+        .args(args)
+        .output()
+        .context("running rabbitmqctl")?;
+    if !output.status.success() {
+        bail!(
+            "rabbitmqctl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// A vhost of a test's own, deleted when the test ends, however it ends.
+pub struct Vhost(pub String);
+
+impl Vhost {
+    /// A name, swept with the rest if this process dies; nothing created yet.
+    pub fn named() -> Self {
+        Self(format!("{}{:08x}", process_prefix(), fastrand::u32(..)))
+    }
+
+    /// A new vhost on which `guest` has these configure, write and read
+    /// permissions (regular expressions over object names).
+    pub fn add(configure: &str, write: &str, read: &str) -> anyhow::Result<Self> {
+        let vhost = Self::named();
+        rabbitmqctl_run(&["add_vhost", &vhost.0])?;
+        rabbitmqctl_run(&[
+            "set_permissions",
+            "-p",
+            &vhost.0,
+            "guest",
+            configure,
+            write,
+            read,
+        ])?;
+        Ok(vhost)
+    }
+
+    /// The broker's URL on this vhost, as guest.
+    pub fn amqp_url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/{}", amqp_port(), self.0)
+    }
+}
+
+impl Drop for Vhost {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl_run(&["delete_vhost", &self.0]);
+    }
+}
+
 pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const GROUP: &str = "points-consumer-group";
 
