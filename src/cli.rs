@@ -91,6 +91,10 @@ pub struct ServiceArgs {
         hide_env_values = true
     )]
     pub database_url: String,
+    /// With `sslmode=require` in the database URL: CA certificates (PEM) the
+    /// server's certificate must chain to; default: the system's.
+    #[arg(long, env = "IDEM_DATABASE_CA_FILE", global = true)]
+    pub database_ca_file: Option<std::path::PathBuf>,
     /// Schema for idem's tables (created by `migrate`); default: the server's search_path.
     #[arg(long, env = "IDEM_SCHEMA", global = true)]
     pub schema: Option<String>,
@@ -304,6 +308,7 @@ impl Cli {
             schema: self.services.schema.clone(),
             pool_size,
             connect_timeout: Duration::from_secs(5),
+            ca_file: self.services.database_ca_file.clone(),
         }
     }
 

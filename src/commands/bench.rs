@@ -405,7 +405,11 @@ impl<'a> Bench<'a> {
         load: &[PaymentSucceeded],
     ) -> anyhow::Result<Measurement> {
         let services = ServiceCpu::now();
-        let mut child = tokio::process::Command::new(&self.config.worker_binary)
+        let mut worker = tokio::process::Command::new(&self.config.worker_binary);
+        if let Some(ca_file) = &self.database.ca_file {
+            worker.env("IDEM_DATABASE_CA_FILE", ca_file);
+        }
+        let mut child = worker
             .env("AMQP_URL", self.config.amqp.url.expose())
             .env("DATABASE_URL", self.database.url.expose())
             .env("IDEM_SCHEMA", &self.schema)

@@ -39,6 +39,32 @@ impl StoreError {
         }
     }
 
+    /// The TLS handshake with the server failed for a reason a retry cannot
+    /// fix: the certificate does not verify, or the server does not do TLS.
+    pub fn tls_refused(&self) -> Option<String> {
+        let error = match self {
+            StoreError::Pool(PoolError::Backend(error)) | StoreError::Postgres(error) => error,
+            StoreError::Pool(_) => return None,
+        };
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
+        while let Some(current) = cause {
+            if let Some(tls) = current.downcast_ref::<rustls::Error>() {
+                return Some(tls.to_string());
+            }
+            if current.to_string() == "server does not support TLS" {
+                return Some(current.to_string());
+            }
+            // io::Error hides the error it wraps from source().
+            cause = match current.downcast_ref::<std::io::Error>() {
+                Some(io) => io
+                    .get_ref()
+                    .map(|inner| inner as &(dyn std::error::Error + 'static)),
+                None => current.source(),
+            };
+        }
+        None
+    }
+
     /// The SQLSTATE, when the server sent one.
     pub fn code(&self) -> Option<&SqlState> {
         match self {

@@ -9,14 +9,18 @@ mod ledger;
 pub mod migrate;
 mod points;
 
-use std::sync::LazyLock;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use backon::Retryable;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
 use tokio_postgres::NoTls;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
+use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
@@ -37,6 +41,9 @@ pub struct DatabaseConfig {
     pub pool_size: usize,
     /// How long to wait for a new connection, or for a free one in the pool.
     pub connect_timeout: Duration,
+    /// With `sslmode=require`: the CA certificates (PEM) the server's
+    /// certificate must chain to, instead of the system's.
+    pub ca_file: Option<PathBuf>,
 }
 
 /// The configuration is unusable: it will not get better by retrying.
@@ -45,13 +52,29 @@ pub enum ConfigError {
     /// The connection string does not parse.
     #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
     Url(String),
-    /// TLS was asked for, which idem does not do yet: without this check the
-    /// worker would retry a handshake that cannot happen until its start-up
-    /// timeout.
+    /// The CA file cannot be read, or holds no certificate.
+    #[error("cannot use the CA file {path}: {reason}")]
+    CaFile {
+        /// The file.
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A CA file was given for a connection that will not use TLS.
     #[error(
-        "DATABASE_URL asks for sslmode=require, but idem does not support TLS to PostgreSQL yet"
+        "a database CA file is set, but DATABASE_URL does not say sslmode=require: \
+         idem would connect without TLS"
     )]
-    TlsUnsupported,
+    CaFileWithoutTls,
+    /// No CA file, and the system has no CA certificates to verify with.
+    #[error(
+        "sslmode=require: the system has no CA certificates to verify the server with; \
+         set the database CA file"
+    )]
+    NoRoots,
+    /// TLS could not be set up.
+    #[error("cannot set up TLS: {0}")]
+    Tls(String),
     /// The schema name is not a plain identifier.
     #[error(
         "schema `{0}` is not a plain identifier (letters, digits, _; not starting with a digit)"
@@ -67,9 +90,13 @@ impl DatabaseConfig {
             .expose()
             .parse()
             .map_err(|e: tokio_postgres::Error| ConfigError::Url(e.to_string()))?;
-        if pg.get_ssl_mode() == SslMode::Require {
-            return Err(ConfigError::TlsUnsupported);
-        }
+        // `require` verifies the certificate and the host name, as libpq's
+        // `verify-full` does; `prefer` (the default) and `disable` do not try TLS.
+        let tls = match (pg.get_ssl_mode(), &self.ca_file) {
+            (SslMode::Require, ca_file) => Some(tls_connector(ca_file.as_deref())?),
+            (_, Some(_)) => return Err(ConfigError::CaFileWithoutTls),
+            (_, None) => None,
+        };
         // idem's statements take arrays whose sizes do not change the best
         // plan: plan them once per connection instead of at every execution.
         let mut options = pg
@@ -88,13 +115,13 @@ impl DatabaseConfig {
             pg.application_name("idem");
         }
         pg.connect_timeout(self.connect_timeout);
-        let manager = Manager::from_config(
-            pg,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match tls {
+            Some(tls) => Manager::from_config(pg, tls, manager_config),
+            None => Manager::from_config(pg, NoTls, manager_config),
+        };
         let timeouts = Timeouts {
             wait: Some(self.connect_timeout),
             create: Some(self.connect_timeout),
@@ -133,11 +160,47 @@ pub enum ReadyError {
     Interrupted,
 }
 
-/// Invalid credentials, no such database or role: retrying cannot help.
+/// A TLS connector that verifies the server against `ca_file`'s
+/// certificates, or the system's.
+fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigError> {
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(path) => {
+            let unusable = |reason: String| ConfigError::CaFile {
+                path: path.display().to_string(),
+                reason,
+            };
+            let certificates = CertificateDer::pem_file_iter(path)
+                .and_then(|certificates| certificates.collect::<Result<Vec<_>, _>>())
+                .map_err(|error| unusable(error.to_string()))?;
+            let (added, _) = roots.add_parsable_certificates(certificates);
+            if added == 0 {
+                return Err(unusable("no usable certificate in it".into()));
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+            if roots.is_empty() {
+                return Err(ConfigError::NoRoots);
+            }
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|error| ConfigError::Tls(error.to_string()))?
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    Ok(MakeRustlsConnect::new(config))
+}
+
+/// Invalid credentials, no such database or role, a certificate that does
+/// not verify: retrying cannot help.
 fn is_refusal(error: &StoreError) -> bool {
     error.code().is_some_and(|code| {
         code.code().starts_with("28") || *code == SqlState::INVALID_CATALOG_NAME
-    })
+    }) || error.tls_refused().is_some()
 }
 
 /// A plain SQL identifier that needs no quoting.

@@ -133,6 +133,7 @@ impl TestEnv {
             schema: Some(schema.clone()),
             pool_size: 4,
             connect_timeout: patient(Duration::from_secs(5)),
+            ca_file: None,
         };
         let pool = database.pool()?;
         migrate::run(&pool, Some(&schema)).await?;

@@ -30,3 +30,4 @@ mod helpers;
 mod idempotency;
 mod proxy;
 mod publishing;
+mod tls;

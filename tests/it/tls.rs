@@ -1,0 +1,240 @@
+//! PostgreSQL over TLS (`sslmode=require`), through a proxy that speaks TLS
+//! to idem with a certificate of its own CA, and plain text to the server.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use anyhow::Context;
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+
+use idem::secret::SecretUrl;
+use idem::worker::Mode;
+
+use crate::helpers::{RunningWorker, TestEnv, assert_exact, patient};
+
+/// The code of PostgreSQL's SSLRequest message.
+const SSL_REQUEST: u32 = 80_877_103;
+
+/// A CA of a test's own, its certificate in a PEM file removed on drop.
+struct TestCa {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+    file: std::path::PathBuf,
+}
+
+impl TestCa {
+    fn new(env: &TestEnv, name: &str) -> anyhow::Result<Self> {
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(DnType::CommonName, format!("idem test CA {name}"));
+        let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
+        let file = std::env::temp_dir().join(format!("{}-{name}-ca.pem", env.name));
+        std::fs::write(&file, issuer.pem())?;
+        Ok(Self { issuer, file })
+    }
+}
+
+impl Drop for TestCa {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.file);
+    }
+}
+
+/// Listens on a port of its own; each connection must open with an
+/// SSLRequest, gets a TLS session with a certificate for `127.0.0.1` signed
+/// by `ca`, and is forwarded in plain text to the local PostgreSQL.
+struct TlsPostgres {
+    port: u16,
+    handshakes: Arc<AtomicUsize>,
+    task: JoinHandle<()>,
+}
+
+impl TlsPostgres {
+    async fn start(ca: &TestCa) -> anyhow::Result<Self> {
+        let key = KeyPair::generate()?;
+        let certificate =
+            CertificateParams::new(vec!["127.0.0.1".to_owned()])?.signed_by(&key, &ca.issuer)?;
+        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![certificate.der().clone()],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )?;
+        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let handshakes = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&handshakes);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let acceptor = acceptor.clone();
+                let counted = Arc::clone(&counted);
+                tokio::spawn(async move {
+                    // A connection that fails ends here; the client sees why.
+                    let _ = serve(client, acceptor, counted).await;
+                });
+            }
+        });
+        Ok(Self {
+            port,
+            handshakes,
+            task,
+        })
+    }
+
+    fn url(&self, env: &TestEnv) -> String {
+        format!(
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=require&application_name={}",
+            self.port, env.name
+        )
+    }
+
+    fn handshakes(&self) -> usize {
+        self.handshakes.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for TlsPostgres {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A server that declines every SSLRequest, as PostgreSQL with `ssl = off` does.
+struct NoTlsServer {
+    port: u16,
+    task: JoinHandle<()>,
+}
+
+impl NoTlsServer {
+    async fn start() -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let port = listener.local_addr()?.port();
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 8];
+                    if client.read_exact(&mut request).await.is_ok() {
+                        let _ = client.write_all(b"N").await;
+                    }
+                });
+            }
+        });
+        Ok(Self { port, task })
+    }
+}
+
+impl Drop for NoTlsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(
+    mut client: TcpStream,
+    acceptor: TlsAcceptor,
+    handshakes: Arc<AtomicUsize>,
+) -> anyhow::Result<()> {
+    let length = client.read_u32().await?;
+    let code = client.read_u32().await?;
+    anyhow::ensure!(
+        (length, code) == (8, SSL_REQUEST),
+        "not an SSLRequest: a client without TLS"
+    );
+    client.write_all(b"S").await?;
+    let mut tls = acceptor.accept(client).await?;
+    handshakes.fetch_add(1, Ordering::SeqCst);
+    let mut server = TcpStream::connect("127.0.0.1:5432")
+        .await
+        .context("PostgreSQL")?;
+    tokio::io::copy_bidirectional(&mut tls, &mut server).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_sslmode_require_the_worker_verifies_the_server_and_applies_over_tls()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let ca = TestCa::new(&env, "trusted")?;
+    let postgres = TlsPostgres::start(&ca).await?;
+    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    env.publish_events(&load).await?;
+
+    let mut config = env.worker_config(Mode::Batch);
+    config.database.url = SecretUrl::new(postgres.url(&env));
+    config.database.ca_file = Some(ca.file.clone());
+    let worker = RunningWorker::start(config);
+    worker
+        .wait_finished(load.len() as u64, Duration::from_secs(30))
+        .await?;
+    worker.stop().await?;
+    assert!(postgres.handshakes() >= 1, "no TLS session was opened");
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_worker_at_once()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let trusted = TestCa::new(&env, "trusted")?;
+    let other = TestCa::new(&env, "other")?;
+    let postgres = TlsPostgres::start(&trusted).await?;
+    let not_pem = std::env::temp_dir().join(format!("{}-not-a-ca.pem", env.name));
+    std::fs::write(&not_pem, "not a certificate\n")?;
+    let plain = "postgres://postgres@127.0.0.1:5432/postgres".to_owned();
+    let no_tls = NoTlsServer::start().await?;
+    let no_tls_url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=require",
+        no_tls.port
+    );
+    let cases = [
+        // Signed by a CA the worker was not told to trust.
+        (
+            postgres.url(&env),
+            Some(&other.file),
+            "invalid peer certificate",
+        ),
+        // The system's CAs do not know the test's CA either.
+        (postgres.url(&env), None, "invalid peer certificate"),
+        (postgres.url(&env), Some(&not_pem), "cannot use the CA file"),
+        (
+            no_tls_url,
+            Some(&trusted.file),
+            "server does not support TLS",
+        ),
+        // A CA file would be ignored: say so rather than connect in plain text.
+        (plain, Some(&trusted.file), "does not say sslmode=require"),
+    ];
+    for (url, ca_file, says) in cases {
+        let mut command = crate::helpers::idem_command(&env, &crate::helpers::amqp_url(), &url);
+        if let Some(file) = ca_file {
+            command.env("IDEM_DATABASE_CA_FILE", file);
+        }
+        command.arg("worker");
+        let started = std::time::Instant::now();
+        let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
+            .await
+            .context("the worker did not exit")??;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(
+            started.elapsed() < patient(Duration::from_secs(10)),
+            "it retried: {stderr}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(says), "{says:?} not in {stderr}");
+    }
+    let _ = std::fs::remove_file(&not_pem);
+    Ok(())
+}
