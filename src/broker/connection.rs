@@ -172,14 +172,18 @@ pub enum SessionError {
 pub struct Reconnects {
     patience: Duration,
     waits: ExponentialBackoff,
+    /// What the connection was lost during, for the log: "publishing".
+    doing: &'static str,
 }
 
 impl Reconnects {
-    /// Pacing that gives up after `patience` of waiting without progress.
-    pub fn new(patience: Duration) -> Self {
+    /// Pacing that gives up after `patience` of waiting without progress;
+    /// `doing` names the work in the one log line of each reconnect.
+    pub fn new(patience: Duration, doing: &'static str) -> Self {
         Self {
             patience,
             waits: crate::backoff::until(patience).build(),
+            doing,
         }
     }
 
@@ -197,13 +201,16 @@ impl Reconnects {
         }
         if progressed {
             self.waits = crate::backoff::until(self.patience).build();
+            warn!(%error, "connection to RabbitMQ lost while {}; reconnecting", self.doing);
             return Ok(());
         }
         let Some(wait) = self.waits.next() else {
             return Err(SessionError::NoProgress(error.to_string()));
         };
         warn!(
-            "{error}; reconnecting to RabbitMQ in {:.1}s",
+            %error,
+            "connection to RabbitMQ lost while {}, with nothing done since the last one; reconnecting in {:.1}s",
+            self.doing,
             wait.as_secs_f64()
         );
         tokio::select! {

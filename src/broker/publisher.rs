@@ -9,7 +9,6 @@ use futures::stream::FuturesUnordered;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
 
 use super::connection::{
     AmqpConfig, Reconnects, SessionError, close, close_channel, connect_with_retry, first_refusal,
@@ -171,7 +170,7 @@ pub async fn publish_all(
     let mut report = PublishReport::default();
     let mut todo: VecDeque<usize> = (0..messages.len()).collect();
     let mut sent = vec![false; messages.len()];
-    let mut reconnects = Reconnects::new(options.patience);
+    let mut reconnects = Reconnects::new(options.patience, "publishing");
     loop {
         let settled = report.confirmed + report.refused.len();
         let connection =
@@ -207,7 +206,6 @@ pub async fn publish_all(
                         )),
                         other => other,
                     })?;
-                warn!(%error, unconfirmed = todo.len(), "connection to RabbitMQ lost while publishing; reconnecting");
                 report.reconnects += 1;
             }
             _ => {

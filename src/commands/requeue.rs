@@ -91,7 +91,8 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
         ..Report::default()
     };
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
-    let mut reconnects = Reconnects::new(config.patience);
+    // What was taken and not acked goes back to the dead-letter queue.
+    let mut reconnects = Reconnects::new(config.patience, "replaying dead letters");
     loop {
         let done = report.replayed.len() + report.failed.len() + report.listed.len();
         let connection =
@@ -133,7 +134,6 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
                          still there)",
                     )?;
                 report.reconnects += 1;
-                warn!(%error, "connection to RabbitMQ lost while replaying; reconnecting (unacked copies are back in the dead-letter queue)");
             }
         }
     }
