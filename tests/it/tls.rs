@@ -25,7 +25,7 @@ const SSL_REQUEST: u32 = 80_877_103;
 /// A CA of a test's own, its certificate in a PEM file removed on drop.
 struct TestCa {
     issuer: CertifiedIssuer<'static, KeyPair>,
-    file: std::path::PathBuf,
+    pem: TempFile,
 }
 
 impl TestCa {
@@ -36,15 +36,29 @@ impl TestCa {
             .distinguished_name
             .push(DnType::CommonName, format!("idem test CA {name}"));
         let issuer = CertifiedIssuer::self_signed(params, KeyPair::generate()?)?;
-        let file = std::env::temp_dir().join(format!("{}-{name}-ca.pem", env.name));
-        std::fs::write(&file, issuer.pem())?;
-        Ok(Self { issuer, file })
+        let pem = TempFile::write(env, &format!("{name}-ca.pem"), &issuer.pem())?;
+        Ok(Self { issuer, pem })
+    }
+
+    fn file(&self) -> &std::path::Path {
+        &self.pem.0
     }
 }
 
-impl Drop for TestCa {
+/// A file of a test's own, removed when the test ends, however it ends.
+struct TempFile(std::path::PathBuf);
+
+impl TempFile {
+    fn write(env: &TestEnv, name: &str, content: &str) -> anyhow::Result<Self> {
+        let file = Self(std::env::temp_dir().join(format!("{}-{name}", env.name)));
+        std::fs::write(&file.0, content)?;
+        Ok(file)
+    }
+}
+
+impl Drop for TempFile {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.file);
+        let _ = std::fs::remove_file(&self.0);
     }
 }
 
@@ -173,7 +187,7 @@ async fn with_sslmode_require_the_worker_verifies_the_server_and_applies_over_tl
 
     let mut config = env.worker_config(Mode::Batch);
     config.database.url = SecretUrl::new(postgres.url(&env));
-    config.database.ca_file = Some(ca.file.clone());
+    config.database.ca_file = Some(ca.file().to_owned());
     let worker = RunningWorker::start(config);
     worker
         .wait_finished(load.len() as u64, Duration::from_secs(30))
@@ -190,8 +204,7 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
     let trusted = TestCa::new(&env, "trusted")?;
     let other = TestCa::new(&env, "other")?;
     let postgres = TlsPostgres::start(&trusted).await?;
-    let not_pem = std::env::temp_dir().join(format!("{}-not-a-ca.pem", env.name));
-    std::fs::write(&not_pem, "not a certificate\n")?;
+    let not_pem = TempFile::write(&env, "not-a-ca.pem", "not a certificate\n")?;
     let plain = "postgres://postgres@127.0.0.1:5432/postgres".to_owned();
     let no_tls = NoTlsServer::start().await?;
     let no_tls_url = format!(
@@ -202,19 +215,23 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         // Signed by a CA the worker was not told to trust.
         (
             postgres.url(&env),
-            Some(&other.file),
+            Some(other.file()),
             "invalid peer certificate",
         ),
         // The system's CAs do not know the test's CA either.
         (postgres.url(&env), None, "invalid peer certificate"),
-        (postgres.url(&env), Some(&not_pem), "cannot use the CA file"),
+        (
+            postgres.url(&env),
+            Some(not_pem.0.as_path()),
+            "cannot use the CA file",
+        ),
         (
             no_tls_url,
-            Some(&trusted.file),
+            Some(trusted.file()),
             "server does not support TLS",
         ),
         // A CA file would be ignored: say so rather than connect in plain text.
-        (plain, Some(&trusted.file), "does not say sslmode=require"),
+        (plain, Some(trusted.file()), "does not say sslmode=require"),
     ];
     for (url, ca_file, says) in cases {
         let mut command = crate::helpers::idem_command(&env, &crate::helpers::amqp_url(), &url);
@@ -235,6 +252,5 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
         assert!(stderr.contains(says), "{says:?} not in {stderr}");
     }
-    let _ = std::fs::remove_file(&not_pem);
     Ok(())
 }
