@@ -528,6 +528,14 @@ fn is_orphan(name: &str) -> bool {
 }
 
 async fn sweep() -> anyhow::Result<()> {
+    // Worker logs and certificates in the temporary directory.
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_str().is_some_and(is_orphan) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
     let list = |what: &str| -> Vec<String> {
         rabbitmqctl()
             .args([what, "-q", "--no-table-headers", "name"])
