@@ -10,11 +10,19 @@ use tokio_postgres::error::SqlState;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had from the pool (timeout, refused, closed).
+    /// Not a `source`: the message already describes the pool's error, and
+    /// printing its chain again repeated it.
     #[error("no database connection: {}", describe_pool(.0))]
-    Pool(#[from] PoolError),
+    Pool(PoolError),
     /// A statement or the connection failed.
     #[error("{}", describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
+}
+
+impl From<PoolError> for StoreError {
+    fn from(error: PoolError) -> Self {
+        StoreError::Pool(error)
+    }
 }
 
 /// Whose fault a failure is.

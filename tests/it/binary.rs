@@ -340,6 +340,28 @@ async fn a_user_without_permission_on_its_queue_ends_the_worker_at_once() -> any
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrate_that_cannot_connect_says_why_once_in_one_line() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let mut command = idem(&env);
+    command
+        .env(
+            "DATABASE_URL",
+            "postgres://idem_no_such_role:hunter2@127.0.0.1:5432/postgres",
+        )
+        .arg("migrate");
+    let (code, _, stderr) = output(command).await?;
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.matches("idem_no_such_role\" does not exist").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    Ok(())
+}
+
 /// A worker holding deliveries it cannot commit: the database is cut off.
 async fn worker_holding_deliveries(
     env: &TestEnv,
