@@ -85,11 +85,9 @@ pub enum ConfigError {
 impl DatabaseConfig {
     /// A pool for this database; connects lazily.
     pub fn pool(&self) -> Result<Pool, ConfigError> {
-        let mut pg: tokio_postgres::Config = self
-            .url
-            .expose()
+        let mut pg: tokio_postgres::Config = verify_full_as_require(self.url.expose())
             .parse()
-            .map_err(|e: tokio_postgres::Error| ConfigError::Url(e.to_string()))?;
+            .map_err(|e: tokio_postgres::Error| ConfigError::Url(parse_error(&e)))?;
         // `require` verifies the certificate and the host name, as libpq's
         // `verify-full` does; `prefer` (the default) and `disable` do not try TLS.
         let tls = match (pg.get_ssl_mode(), &self.ca_file) {
@@ -158,6 +156,48 @@ pub enum ReadyError {
     /// Shutdown was asked for while waiting.
     #[error("interrupted while waiting for PostgreSQL")]
     Interrupted,
+}
+
+/// libpq's `sslmode=verify-full` is what `require` does here (tokio-postgres
+/// knows only `disable`, `prefer` and `require`): connection strings copied
+/// from a provider's console often say it.
+fn verify_full_as_require(url: &str) -> std::borrow::Cow<'_, str> {
+    const FULL: &str = "sslmode=verify-full";
+    let mut out = String::new();
+    let mut rest = url;
+    while let Some(at) = rest.find(FULL) {
+        let before = rest[..at].chars().next_back();
+        let after = rest[at + FULL.len()..].chars().next();
+        let starts = before.is_none_or(|c| c == '?' || c == '&' || c.is_whitespace());
+        let ends = after.is_none_or(|c| c == '&' || c.is_whitespace());
+        out.push_str(&rest[..at]);
+        out.push_str(if starts && ends {
+            "sslmode=require"
+        } else {
+            FULL
+        });
+        rest = &rest[at + FULL.len()..];
+    }
+    if out.is_empty() {
+        return std::borrow::Cow::Borrowed(url);
+    }
+    out.push_str(rest);
+    std::borrow::Cow::Owned(out)
+}
+
+/// Why a connection string does not parse, with tokio-postgres's cause
+/// ("invalid value for option `sslmode`") but never a character of the
+/// string itself, which may be part of a password.
+fn parse_error(error: &tokio_postgres::Error) -> String {
+    use std::error::Error as _;
+    match error.source() {
+        Some(cause) => {
+            let cause = cause.to_string();
+            let cause = cause.split(" but got ").next().unwrap_or_default();
+            format!("{error}: {cause}")
+        }
+        None => error.to_string(),
+    }
 }
 
 /// A TLS connector that verifies the server against `ca_file`'s
@@ -402,5 +442,61 @@ impl Store {
             }
         }
         Ok(claimed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verify_full_is_read_as_require_and_nothing_else_changes() {
+        for (given, read) in [
+            (
+                "postgres://u:p@db/x?sslmode=verify-full",
+                "postgres://u:p@db/x?sslmode=require",
+            ),
+            (
+                "postgres://db/x?sslmode=verify-full&application_name=a",
+                "postgres://db/x?sslmode=require&application_name=a",
+            ),
+            (
+                "host=db sslmode=verify-full user=u",
+                "host=db sslmode=require user=u",
+            ),
+            (
+                "postgres://db/x?sslmode=prefer",
+                "postgres://db/x?sslmode=prefer",
+            ),
+            // Part of another value (a password, say): left alone.
+            (
+                "postgres://db/x?password=xsslmode=verify-full",
+                "postgres://db/x?password=xsslmode=verify-full",
+            ),
+        ] {
+            assert_eq!(verify_full_as_require(given), read);
+        }
+    }
+
+    #[test]
+    fn a_connection_string_that_does_not_parse_says_why_without_echoing_it() {
+        let error = "postgres://db/x?sslmode=verify-ca"
+            .parse::<tokio_postgres::Config>()
+            .err()
+            .map(|e| parse_error(&e));
+        assert_eq!(
+            error.as_deref(),
+            Some("invalid connection string: invalid value for option `sslmode`")
+        );
+        // tokio-postgres's own text would end "but got `h`": a character of
+        // the password.
+        let error = "host=db password hunter2"
+            .parse::<tokio_postgres::Config>()
+            .err()
+            .map(|e| parse_error(&e));
+        assert_eq!(
+            error.as_deref(),
+            Some("invalid connection string: unexpected character at byte 17: expected `=`")
+        );
     }
 }

@@ -107,9 +107,14 @@ impl TlsPostgres {
         })
     }
 
+    /// Its URL with `sslmode=require`.
     fn url(&self, env: &TestEnv) -> String {
+        self.url_with(env, "require")
+    }
+
+    fn url_with(&self, env: &TestEnv, sslmode: &str) -> String {
         format!(
-            "postgres://postgres@127.0.0.1:{}/postgres?sslmode=require&application_name={}",
+            "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}&application_name={}",
             self.port, env.name
         )
     }
@@ -177,7 +182,7 @@ async fn serve(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_sslmode_require_the_worker_verifies_the_server_and_applies_over_tls()
+async fn with_sslmode_verify_full_the_worker_verifies_the_server_and_applies_over_tls()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let ca = TestCa::new(&env, "trusted")?;
@@ -186,7 +191,8 @@ async fn with_sslmode_require_the_worker_verifies_the_server_and_applies_over_tl
     env.publish_events(&load).await?;
 
     let mut config = env.worker_config(Mode::Batch);
-    config.database.url = SecretUrl::new(postgres.url(&env));
+    // libpq's name for what `require` does here.
+    config.database.url = SecretUrl::new(postgres.url_with(&env, "verify-full"));
     config.database.ca_file = Some(ca.file().to_owned());
     let worker = RunningWorker::start(config);
     worker
