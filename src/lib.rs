@@ -16,6 +16,7 @@
 //! - [`backoff`] — the retry schedules.
 //! - [`cli`] — flags and environment variables, turned into typed settings.
 //! - [`secret`] — connection strings that never print their password.
+//! - [`tls`] — CA files and TLS handshake failures, for both connections.
 //! - [`telemetry`] — logging.
 
 pub mod backoff;
@@ -27,4 +28,5 @@ pub mod generate;
 pub mod secret;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod worker;

@@ -54,23 +54,11 @@ impl StoreError {
             StoreError::Pool(PoolError::Backend(error)) | StoreError::Postgres(error) => error,
             StoreError::Pool(_) => return None,
         };
-        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(error);
-        while let Some(current) = cause {
-            if let Some(tls) = current.downcast_ref::<rustls::Error>() {
-                return Some(tls.to_string());
-            }
-            if current.to_string() == "server does not support TLS" {
-                return Some(current.to_string());
-            }
-            // io::Error hides the error it wraps from source().
-            cause = match current.downcast_ref::<std::io::Error>() {
-                Some(io) => io
-                    .get_ref()
-                    .map(|inner| inner as &(dyn std::error::Error + 'static)),
-                None => current.source(),
-            };
-        }
-        None
+        // tokio-postgres says so in a plain message, as the cause of its error.
+        let declined = std::error::Error::source(error)
+            .map(|cause| cause.to_string())
+            .filter(|cause| cause == "server does not support TLS");
+        declined.or_else(|| crate::tls::refusal(error))
     }
 
     /// The SQLSTATE, when the server sent one.

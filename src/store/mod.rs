@@ -15,8 +15,6 @@ use std::time::Duration;
 
 use backon::Retryable;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
 use tokio_postgres::NoTls;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
@@ -53,13 +51,8 @@ pub enum ConfigError {
     #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
     Url(String),
     /// The CA file cannot be read, or holds no certificate.
-    #[error("cannot use the CA file {path}: {reason}")]
-    CaFile {
-        /// The file.
-        path: String,
-        /// What is wrong with it.
-        reason: String,
-    },
+    #[error(transparent)]
+    CaFile(#[from] crate::tls::CaFileError),
     /// A CA file was given for a connection that will not use TLS.
     #[error(
         "a database CA file is set, but DATABASE_URL does not say sslmode=require: \
@@ -206,16 +199,13 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            let unusable = |reason: String| ConfigError::CaFile {
-                path: path.display().to_string(),
-                reason,
-            };
-            let certificates = CertificateDer::pem_file_iter(path)
-                .and_then(|certificates| certificates.collect::<Result<Vec<_>, _>>())
-                .map_err(|error| unusable(error.to_string()))?;
-            let (added, _) = roots.add_parsable_certificates(certificates);
+            let (added, _) = roots.add_parsable_certificates(crate::tls::ca_certificates(path)?);
             if added == 0 {
-                return Err(unusable("no usable certificate in it".into()));
+                return Err(crate::tls::CaFileError {
+                    path: path.display().to_string(),
+                    reason: "no usable certificate in it".into(),
+                }
+                .into());
             }
         }
         None => {

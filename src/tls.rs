@@ -1,0 +1,85 @@
+//! What the PostgreSQL and RabbitMQ connections share about TLS: reading a
+//! CA file, and telling a handshake that cannot succeed from a network
+//! failure worth retrying.
+
+use std::error::Error;
+use std::path::Path;
+
+use rustls::pki_types::CertificateDer;
+use rustls::pki_types::pem::PemObject;
+
+/// Why a CA file cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot use the CA file {path}: {reason}")]
+pub struct CaFileError {
+    /// The file.
+    pub path: String,
+    /// What is wrong with it.
+    pub reason: String,
+}
+
+/// The certificates of a PEM file; at least one, or an error.
+pub fn ca_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, CaFileError> {
+    let unusable = |reason: String| CaFileError {
+        path: path.display().to_string(),
+        reason,
+    };
+    let certificates = CertificateDer::pem_file_iter(path)
+        .and_then(|certificates| certificates.collect::<Result<Vec<_>, _>>())
+        .map_err(|error| unusable(error.to_string()))?;
+    if certificates.is_empty() {
+        return Err(unusable("no certificate in it".into()));
+    }
+    Ok(certificates)
+}
+
+/// What went wrong when a TLS handshake failed for a reason a retry cannot
+/// fix (the certificate does not verify, the protocol does not match), found
+/// anywhere in `error`'s chain. `None` for anything else.
+pub fn refusal(error: &(dyn Error + 'static)) -> Option<String> {
+    let mut cause = Some(error);
+    while let Some(current) = cause {
+        if let Some(tls) = current.downcast_ref::<rustls::Error>() {
+            return Some(tls.to_string());
+        }
+        // io::Error hides the error it wraps from source().
+        cause = match current.downcast_ref::<std::io::Error>() {
+            Some(io) => io.get_ref().map(|inner| inner as &(dyn Error + 'static)),
+            None => current.source(),
+        };
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rustls_error_inside_an_io_error_is_a_refusal() {
+        let wrapped = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+        );
+        assert_eq!(
+            refusal(&wrapped).as_deref(),
+            Some("invalid peer certificate: UnknownIssuer")
+        );
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        assert_eq!(refusal(&reset), None);
+    }
+
+    #[test]
+    fn a_ca_file_must_hold_a_certificate() {
+        let missing = ca_certificates(Path::new("/nonexistent/idem-ca.pem"));
+        assert!(missing.is_err());
+        let file = std::env::temp_dir().join(format!("idem-unit-{}-ca.pem", std::process::id()));
+        std::fs::write(&file, "not a certificate\n").ok();
+        let empty = ca_certificates(&file);
+        std::fs::remove_file(&file).ok();
+        assert_eq!(
+            empty.map_err(|e| e.reason),
+            Err("no certificate in it".to_owned())
+        );
+    }
+}
