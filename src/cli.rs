@@ -82,6 +82,10 @@ pub struct ServiceArgs {
         hide_env_values = true
     )]
     pub amqp_url: String,
+    /// With an `amqps://` URL: CA certificates (PEM) the broker's certificate
+    /// may chain to, besides the system's.
+    #[arg(long, env = "IDEM_AMQP_CA_FILE", global = true)]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
     /// PostgreSQL URL or key/value connection string.
     #[arg(
         long,
@@ -298,6 +302,7 @@ impl Cli {
     pub fn amqp(&self) -> AmqpConfig {
         AmqpConfig {
             url: SecretUrl::new(self.services.amqp_url.clone()),
+            ca_file: self.services.amqp_ca_file.clone(),
         }
     }
 

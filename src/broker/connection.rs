@@ -1,11 +1,13 @@
 //! Connecting to RabbitMQ, and telling a broker that is not there yet from
 //! one that refuses us.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, Retryable};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
-use lapin::uri::AMQPUri;
+use lapin::tcp::OwnedTLSConfig;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
 use tokio_util::sync::CancellationToken;
@@ -18,6 +20,16 @@ use crate::secret::SecretUrl;
 pub struct AmqpConfig {
     /// `amqp://user:password@host:port/vhost`; may carry a password.
     pub url: SecretUrl,
+    /// With `amqps://`: CA certificates (PEM) the broker's certificate may
+    /// chain to, besides the system's.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl AmqpConfig {
+    /// The broker at `url`, verified against the system's CAs if `amqps://`.
+    pub fn new(url: SecretUrl) -> Self {
+        Self { url, ca_file: None }
+    }
 }
 
 /// Why a connection could not be opened.
@@ -30,6 +42,15 @@ pub enum ConnectError {
         /// The URL, redacted.
         url: String,
         /// What the broker said.
+        reason: String,
+    },
+    /// idem's own settings for the connection cannot work (a CA file with
+    /// an `amqp://` URL, a CA file that is not PEM). Retrying will not help.
+    #[error("cannot connect to RabbitMQ at {url}: {reason}")]
+    Settings {
+        /// The URL, redacted.
+        url: String,
+        /// What is wrong.
         reason: String,
     },
     /// The broker could not be reached or dropped us: worth retrying.
@@ -50,7 +71,9 @@ impl ConnectError {
     pub fn is_refusal(&self) -> bool {
         matches!(
             self,
-            ConnectError::Refused { .. } | ConnectError::Interrupted
+            ConnectError::Refused { .. }
+                | ConnectError::Settings { .. }
+                | ConnectError::Interrupted
         )
     }
 }
@@ -60,19 +83,50 @@ pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, Conn
     let uri: AMQPUri = config.url.expose().parse().map_err(|e: String| {
         // The parser may quote the URL, password and all.
         let reason = e.replace(config.url.expose(), &config.url.redacted());
-        ConnectError::Refused {
+        ConnectError::Settings {
             url: config.url.redacted(),
             reason: format!("not a valid amqp:// or amqps:// URL ({reason})"),
         }
     })?;
     let properties = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect_uri(uri, properties)
+    let unusable = |reason: String| ConnectError::Settings {
+        url: config.url.redacted(),
+        reason,
+    };
+    let tls = match &config.ca_file {
+        None => OwnedTLSConfig::default(),
+        Some(_) if uri.scheme != AMQPScheme::AMQPS => {
+            return Err(unusable(
+                "a CA file is set, but the URL is not amqps://: idem would connect without TLS"
+                    .into(),
+            ));
+        }
+        Some(path) => {
+            // Read at every connection: a renewed CA file is picked up.
+            crate::tls::ca_certificates(path).map_err(|error| unusable(error.to_string()))?;
+            let pem = std::fs::read_to_string(path)
+                .map_err(|error| unusable(format!("cannot read {}: {error}", path.display())))?;
+            OwnedTLSConfig {
+                identity: None,
+                cert_chain: Some(pem),
+            }
+        }
+    };
+    let runtime =
+        lapin::runtime::default_runtime().map_err(|source| classify(&config.url, source))?;
+    Connection::connect_uri_with_config(uri, properties, tls, runtime)
         .await
         .map_err(|source| classify(&config.url, source))
 }
 
 fn classify(url: &SecretUrl, source: lapin::Error) -> ConnectError {
     let url = url.redacted();
+    if let Some(reason) = crate::tls::refusal(&source) {
+        return ConnectError::Refused {
+            url,
+            reason: format!("TLS handshake failed: {reason}"),
+        };
+    }
     if let lapin::ErrorKind::ProtocolError(amqp) = source.kind() {
         let refused = matches!(
             amqp.kind(),

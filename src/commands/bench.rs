@@ -409,6 +409,9 @@ impl<'a> Bench<'a> {
         if let Some(ca_file) = &self.database.ca_file {
             worker.env("IDEM_DATABASE_CA_FILE", ca_file);
         }
+        if let Some(ca_file) = &self.config.amqp.ca_file {
+            worker.env("IDEM_AMQP_CA_FILE", ca_file);
+        }
         let mut child = worker
             .env("AMQP_URL", self.config.amqp.url.expose())
             .env("DATABASE_URL", self.database.url.expose())

@@ -105,9 +105,7 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
     .await?;
     rabbitmqctl_run(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
 
-    let amqp = AmqpConfig {
-        url: SecretUrl::new(vhost.amqp_url()),
-    };
+    let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
     let connection = connect(&amqp, "idem definitions test").await?;
     let channel = connection.create_channel().await?;
     Topology::default().declare(&channel).await?;

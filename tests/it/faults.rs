@@ -346,9 +346,8 @@ async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::R
         .iter()
         .map(|event| env.topology.event(event.to_body()))
         .collect();
-    let amqp = idem::broker::AmqpConfig {
-        url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
-    };
+    let amqp =
+        idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)));
     let options = idem::broker::PublishOptions {
         window: 256,
         patience: patient(Duration::from_secs(20)),
@@ -413,9 +412,9 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
 
     let broker = Proxy::start(rabbitmq()?).await?;
     let config = idem::commands::requeue::RequeueConfig {
-        amqp: idem::broker::AmqpConfig {
-            url: idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
-        },
+        amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
+            env.amqp_url_via(broker.port),
+        )),
         database: env.database.clone(),
         consumer_group: GROUP.into(),
         dead_letter_queue: env.topology.dead_letter_queue.clone(),

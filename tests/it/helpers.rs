@@ -138,9 +138,7 @@ impl TestEnv {
         let pool = database.pool()?;
         migrate::run(&pool, Some(&schema)).await?;
         let topology = Topology::prefixed(&format!("{}.", name.replace('_', "-")));
-        let amqp = AmqpConfig {
-            url: SecretUrl::new(amqp_url()),
-        };
+        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
         let env = Self {
             name,
             schema,
@@ -462,9 +460,7 @@ async fn remove(
     schemas: Vec<String>,
 ) -> anyhow::Result<()> {
     if !queues.is_empty() || !exchanges.is_empty() {
-        let amqp = AmqpConfig {
-            url: SecretUrl::new(amqp_url()),
-        };
+        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
         let connection = connect(&amqp, "idem test cleanup").await?;
         let channel = connection.create_channel().await?;
         for queue in queues {

@@ -62,17 +62,35 @@ impl Drop for TempFile {
     }
 }
 
-/// Listens on a port of its own; each connection must open with an
-/// SSLRequest, gets a TLS session with a certificate for `127.0.0.1` signed
-/// by `ca`, and is forwarded in plain text to the local PostgreSQL.
-struct TlsPostgres {
+/// How a client starts TLS with the server behind a [`TlsProxy`].
+#[derive(Debug, Clone, Copy)]
+enum Protocol {
+    /// PostgreSQL: an SSLRequest, answered `S`, then the handshake.
+    Postgres,
+    /// AMQP over TLS (`amqps://`): the handshake at once.
+    Amqp,
+}
+
+impl Protocol {
+    fn upstream(self) -> String {
+        match self {
+            Protocol::Postgres => "127.0.0.1:5432".into(),
+            Protocol::Amqp => format!("127.0.0.1:{}", crate::helpers::amqp_port()),
+        }
+    }
+}
+
+/// Listens on a port of its own; each connection gets a TLS session with a
+/// certificate for `127.0.0.1` signed by `ca`, and is forwarded in plain
+/// text to the local server of `protocol`.
+struct TlsProxy {
     port: u16,
     handshakes: Arc<AtomicUsize>,
     task: JoinHandle<()>,
 }
 
-impl TlsPostgres {
-    async fn start(ca: &TestCa) -> anyhow::Result<Self> {
+impl TlsProxy {
+    async fn start(ca: &TestCa, protocol: Protocol) -> anyhow::Result<Self> {
         let key = KeyPair::generate()?;
         let certificate =
             CertificateParams::new(vec!["127.0.0.1".to_owned()])?.signed_by(&key, &ca.issuer)?;
@@ -96,7 +114,7 @@ impl TlsPostgres {
                 let counted = Arc::clone(&counted);
                 tokio::spawn(async move {
                     // A connection that fails ends here; the client sees why.
-                    let _ = serve(client, acceptor, counted).await;
+                    let _ = serve(client, protocol, acceptor, counted).await;
                 });
             }
         });
@@ -107,7 +125,7 @@ impl TlsPostgres {
         })
     }
 
-    /// Its URL with `sslmode=require`.
+    /// Its PostgreSQL URL with `sslmode=require`.
     fn url(&self, env: &TestEnv) -> String {
         self.url_with(env, "require")
     }
@@ -119,12 +137,17 @@ impl TlsPostgres {
         )
     }
 
+    /// Its `amqps://` URL.
+    fn amqps_url(&self) -> String {
+        format!("amqps://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
     fn handshakes(&self) -> usize {
         self.handshakes.load(Ordering::SeqCst)
     }
 }
 
-impl Drop for TlsPostgres {
+impl Drop for TlsProxy {
     fn drop(&mut self) {
         self.task.abort();
     }
@@ -162,22 +185,65 @@ impl Drop for NoTlsServer {
 
 async fn serve(
     mut client: TcpStream,
+    protocol: Protocol,
     acceptor: TlsAcceptor,
     handshakes: Arc<AtomicUsize>,
 ) -> anyhow::Result<()> {
-    let length = client.read_u32().await?;
-    let code = client.read_u32().await?;
-    anyhow::ensure!(
-        (length, code) == (8, SSL_REQUEST),
-        "not an SSLRequest: a client without TLS"
-    );
-    client.write_all(b"S").await?;
+    if let Protocol::Postgres = protocol {
+        let length = client.read_u32().await?;
+        let code = client.read_u32().await?;
+        anyhow::ensure!(
+            (length, code) == (8, SSL_REQUEST),
+            "not an SSLRequest: a client without TLS"
+        );
+        client.write_all(b"S").await?;
+    }
     let mut tls = acceptor.accept(client).await?;
     handshakes.fetch_add(1, Ordering::SeqCst);
-    let mut server = TcpStream::connect("127.0.0.1:5432")
+    let mut server = TcpStream::connect(protocol.upstream())
         .await
-        .context("PostgreSQL")?;
+        .with_context(|| format!("{protocol:?}"))?;
     tokio::io::copy_bidirectional(&mut tls, &mut server).await?;
+    Ok(())
+}
+
+/// Runs a worker with `config` until it has applied `load`, which went
+/// through `proxy`'s TLS sessions.
+async fn applies_through(
+    env: &TestEnv,
+    config: idem::worker::WorkerConfig,
+    load: &[idem::event::PaymentSucceeded],
+    proxy: &TlsProxy,
+) -> anyhow::Result<()> {
+    let worker = RunningWorker::start(config);
+    worker
+        .wait_finished(load.len() as u64, Duration::from_secs(30))
+        .await?;
+    worker.stop().await?;
+    assert!(proxy.handshakes() >= 1, "no TLS session was opened");
+    assert_exact(env, load, &[]).await
+}
+
+/// Runs `idem worker` as `command` says, and asserts that it exits 1 at
+/// once (it did not retry), with one line that says `says` and no password.
+async fn worker_ends_at_once(
+    mut command: tokio::process::Command,
+    says: &str,
+) -> anyhow::Result<()> {
+    command.arg("worker");
+    let started = std::time::Instant::now();
+    let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
+        .await
+        .context("the worker did not exit")??;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        started.elapsed() < patient(Duration::from_secs(10)),
+        "it retried: {stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains(says), "{says:?} not in {stderr}");
+    assert!(!stderr.contains("guest:guest"), "{stderr}");
     Ok(())
 }
 
@@ -186,7 +252,7 @@ async fn with_sslmode_verify_full_the_worker_verifies_the_server_and_applies_ove
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let ca = TestCa::new(&env, "trusted")?;
-    let postgres = TlsPostgres::start(&ca).await?;
+    let postgres = TlsProxy::start(&ca, Protocol::Postgres).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
     env.publish_events(&load).await?;
 
@@ -194,13 +260,7 @@ async fn with_sslmode_verify_full_the_worker_verifies_the_server_and_applies_ove
     // libpq's name for what `require` does here.
     config.database.url = SecretUrl::new(postgres.url_with(&env, "verify-full"));
     config.database.ca_file = Some(ca.file().to_owned());
-    let worker = RunningWorker::start(config);
-    worker
-        .wait_finished(load.len() as u64, Duration::from_secs(30))
-        .await?;
-    worker.stop().await?;
-    assert!(postgres.handshakes() >= 1, "no TLS session was opened");
-    assert_exact(&env, &load, &[]).await
+    applies_through(&env, config, &load, &postgres).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,7 +269,7 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
     let env = TestEnv::new().await?;
     let trusted = TestCa::new(&env, "trusted")?;
     let other = TestCa::new(&env, "other")?;
-    let postgres = TlsPostgres::start(&trusted).await?;
+    let postgres = TlsProxy::start(&trusted, Protocol::Postgres).await?;
     let not_pem = TempFile::write(&env, "not-a-ca.pem", "not a certificate\n")?;
     let plain = "postgres://postgres@127.0.0.1:5432/postgres".to_owned();
     let no_tls = NoTlsServer::start().await?;
@@ -244,19 +304,63 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         if let Some(file) = ca_file {
             command.env("IDEM_DATABASE_CA_FILE", file);
         }
-        command.arg("worker");
-        let started = std::time::Instant::now();
-        let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
-            .await
-            .context("the worker did not exit")??;
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(1), "{stderr}");
-        assert!(
-            started.elapsed() < patient(Duration::from_secs(10)),
-            "it retried: {stderr}"
-        );
-        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
-        assert!(stderr.contains(says), "{says:?} not in {stderr}");
+        worker_ends_at_once(command, says).await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_amqps_with_a_ca_file_the_worker_verifies_the_broker_and_applies() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    let ca = TestCa::new(&env, "broker")?;
+    let broker = TlsProxy::start(&ca, Protocol::Amqp).await?;
+    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    env.publish_events(&load).await?;
+
+    let mut config = env.worker_config(Mode::Batch);
+    config.amqp = idem::broker::AmqpConfig {
+        url: SecretUrl::new(broker.amqps_url()),
+        ca_file: Some(ca.file().to_owned()),
+    };
+    applies_through(&env, config, &load, &broker).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_worker_at_once()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let trusted = TestCa::new(&env, "trusted")?;
+    let other = TestCa::new(&env, "other")?;
+    let broker = TlsProxy::start(&trusted, Protocol::Amqp).await?;
+    let not_pem = TempFile::write(&env, "not-a-ca.pem", "not a certificate\n")?;
+    let cases = [
+        // Signed by a CA the worker was not told to trust.
+        (
+            broker.amqps_url(),
+            Some(other.file()),
+            "invalid peer certificate",
+        ),
+        // The system's CAs do not know the test's CA either.
+        (broker.amqps_url(), None, "invalid peer certificate"),
+        (
+            broker.amqps_url(),
+            Some(not_pem.0.as_path()),
+            "cannot use the CA file",
+        ),
+        // A CA file would be ignored: say so rather than connect in plain text.
+        (
+            crate::helpers::amqp_url(),
+            Some(trusted.file()),
+            "not amqps://",
+        ),
+    ];
+    for (url, ca_file, says) in cases {
+        let mut command = crate::helpers::idem_command(&env, &url, crate::helpers::DATABASE_URL);
+        if let Some(file) = ca_file {
+            command.env("IDEM_AMQP_CA_FILE", file);
+        }
+        worker_ends_at_once(command, says).await?;
     }
     Ok(())
 }
