@@ -18,19 +18,21 @@ pub struct CaFileError {
     pub reason: String,
 }
 
-/// The certificates of a PEM file; at least one, or an error.
-pub fn ca_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, CaFileError> {
+/// A PEM file of CA certificates, read and checked to hold at least one: its
+/// text, and the certificates.
+pub fn ca_file(path: &Path) -> Result<(String, Vec<CertificateDer<'static>>), CaFileError> {
     let unusable = |reason: String| CaFileError {
         path: path.display().to_string(),
         reason,
     };
-    let certificates = CertificateDer::pem_file_iter(path)
-        .and_then(|certificates| certificates.collect::<Result<Vec<_>, _>>())
+    let pem = std::fs::read_to_string(path).map_err(|error| unusable(error.to_string()))?;
+    let certificates = CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
         .map_err(|error| unusable(error.to_string()))?;
     if certificates.is_empty() {
         return Err(unusable("no certificate in it".into()));
     }
-    Ok(certificates)
+    Ok((pem, certificates))
 }
 
 /// What went wrong when a TLS handshake failed for a reason a retry cannot
@@ -71,11 +73,11 @@ mod tests {
 
     #[test]
     fn a_ca_file_must_hold_a_certificate() {
-        let missing = ca_certificates(Path::new("/nonexistent/idem-ca.pem"));
+        let missing = ca_file(Path::new("/nonexistent/idem-ca.pem"));
         assert!(missing.is_err());
         let file = std::env::temp_dir().join(format!("idem-unit-{}-ca.pem", std::process::id()));
         std::fs::write(&file, "not a certificate\n").ok();
-        let empty = ca_certificates(&file);
+        let empty = ca_file(&file);
         std::fs::remove_file(&file).ok();
         assert_eq!(
             empty.map_err(|e| e.reason),

@@ -103,9 +103,8 @@ pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, Conn
         }
         Some(path) => {
             // Read at every connection: a renewed CA file is picked up.
-            crate::tls::ca_certificates(path).map_err(|error| unusable(error.to_string()))?;
-            let pem = std::fs::read_to_string(path)
-                .map_err(|error| unusable(format!("cannot read {}: {error}", path.display())))?;
+            let (pem, _) =
+                crate::tls::ca_file(path).map_err(|error| unusable(error.to_string()))?;
             OwnedTLSConfig {
                 identity: None,
                 cert_chain: Some(pem),

@@ -184,6 +184,8 @@ struct Replay {
     entry: Entry,
     tag: DeliveryTag,
     message: Outgoing,
+    /// Its event id if the body is a valid event: whose ledger to reset.
+    valid_event_id: Option<String>,
 }
 
 impl Pass<'_> {
@@ -245,7 +247,11 @@ impl Pass<'_> {
     /// What to do with a dead letter: the replay to send, or nothing when
     /// it is only listed (a dry run) or cannot be replayed (it is held).
     fn sort(&mut self, delivery: Delivery) -> Option<Replay> {
-        let entry = Entry::of(&delivery);
+        let valid_event_id = event_id(&delivery.data);
+        let entry = Entry::of(
+            &delivery,
+            valid_event_id.clone().unwrap_or_else(|described| described),
+        );
         let tag = delivery.delivery_tag;
         if self.config.dry_run {
             self.report.listed.push(entry);
@@ -276,6 +282,7 @@ impl Pass<'_> {
             entry,
             tag,
             message,
+            valid_event_id: valid_event_id.ok(),
         })
     }
 
@@ -288,11 +295,10 @@ impl Pass<'_> {
         chunk: Vec<Replay>,
     ) -> Result<(), PassError> {
         // A replay starts a fresh budget of attempts: the reset goes first.
-        let events: Vec<PaymentSucceeded> = chunk
+        let event_ids: Vec<&str> = chunk
             .iter()
-            .filter_map(|replay| PaymentSucceeded::parse(&replay.message.body, usize::MAX).ok())
+            .filter_map(|replay| replay.valid_event_id.as_deref())
             .collect();
-        let event_ids: Vec<&str> = events.iter().map(|e| e.event_id.as_str()).collect();
         self.store.reset_ledger(&event_ids).await?;
         let mut sent = Vec::with_capacity(chunk.len());
         for replay in chunk {
@@ -319,10 +325,10 @@ impl Pass<'_> {
 }
 
 impl Entry {
-    fn of(delivery: &Delivery) -> Self {
+    fn of(delivery: &Delivery, event_id: String) -> Self {
         let headers = delivery.properties.headers().as_ref();
         Self {
-            event_id: event_id(&delivery.data),
+            event_id,
             death: Death::latest(headers),
             replays: replays(headers),
             failures: None,
@@ -330,11 +336,12 @@ impl Entry {
     }
 }
 
-/// The event id of a body, or what is wrong with it.
-fn event_id(body: &[u8]) -> String {
-    match PaymentSucceeded::parse(body, usize::MAX) {
-        Ok(event) => event.event_id,
-        Err(invalid) => {
+/// The event id of a valid body; for an invalid one, its id if it has one
+/// and what is wrong with it.
+fn event_id(body: &[u8]) -> Result<String, String> {
+    PaymentSucceeded::parse(body, usize::MAX)
+        .map(|event| event.event_id)
+        .map_err(|invalid| {
             let loose = serde_json::from_slice::<serde_json::Value>(body)
                 .ok()
                 .and_then(|v| v.get("eventId")?.as_str().map(str::to_owned));
@@ -342,8 +349,7 @@ fn event_id(body: &[u8]) -> String {
                 Some(id) => format!("{id} (invalid: {invalid})"),
                 None => format!("(invalid: {invalid})"),
             }
-        }
-    }
+        })
 }
 
 impl fmt::Display for Entry {
@@ -450,12 +456,12 @@ mod tests {
     fn an_invalid_body_still_shows_its_event_id_when_it_has_one() {
         assert_eq!(
             event_id(br#"{"eventId":"e-1","orderId":"o","points":2}"#),
-            "e-1"
+            Ok("e-1".to_owned())
         );
         assert!(
             event_id(br#"{"eventId":"e-2","orderId":"o","points":-1}"#)
-                .starts_with("e-2 (invalid: ")
+                .is_err_and(|described| described.starts_with("e-2 (invalid: "))
         );
-        assert!(event_id(b"garbage").starts_with("(invalid: "));
+        assert!(event_id(b"garbage").is_err_and(|described| described.starts_with("(invalid: ")));
     }
 }

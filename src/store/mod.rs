@@ -199,7 +199,8 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            let (added, _) = roots.add_parsable_certificates(crate::tls::ca_certificates(path)?);
+            let (_, certificates) = crate::tls::ca_file(path)?;
+            let (added, _) = roots.add_parsable_certificates(certificates);
             if added == 0 {
                 return Err(crate::tls::CaFileError {
                     path: path.display().to_string(),
