@@ -9,7 +9,9 @@ use tokio::process::Command;
 use idem::event::PaymentSucceeded;
 use idem::store::migrate;
 
-use crate::helpers::{DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, patient, wait_for};
+use crate::helpers::{
+    DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, patient, wait_for, worker_exits_at_once,
+};
 use idem::worker::Mode;
 
 /// `idem` pointed at `env`'s schema and topology and the local services.
@@ -74,15 +76,8 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
         ),
     ] {
         let mut command = idem(&env);
-        command.env("AMQP_URL", &url).arg("worker");
-        let started = std::time::Instant::now();
-        let (code, _, stderr) = output(command).await?;
-        assert_eq!(code, Some(1), "{stderr}");
-        assert!(
-            started.elapsed() < patient(Duration::from_secs(10)),
-            "it retried a refusal"
-        );
-        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        command.env("AMQP_URL", &url);
+        let stderr = worker_exits_at_once(command).await?;
         assert!(
             stderr.starts_with("idem: ") && stderr.contains("refused"),
             "{stderr}"
@@ -301,15 +296,8 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
     ];
     for (variable, value, says) in cases {
         let mut command = idem(&env);
-        command.env(variable, &value).arg("worker");
-        let started = std::time::Instant::now();
-        let (code, _, stderr) = output(command).await?;
-        assert_eq!(code, Some(1), "{stderr}");
-        assert!(
-            started.elapsed() < patient(Duration::from_secs(10)),
-            "it waited for a refusal"
-        );
-        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        command.env(variable, &value);
+        let stderr = worker_exits_at_once(command).await?;
         assert!(stderr.contains(says), "{stderr}");
     }
     Ok(())
@@ -322,15 +310,8 @@ async fn a_user_without_permission_on_its_queue_ends_the_worker_at_once() -> any
     // dead-letter exchange needs read permission on it.
     let vhost = crate::helpers::Vhost::add(".*", ".*", "^$")?;
     let mut command = idem(&env);
-    command.env("AMQP_URL", vhost.amqp_url()).arg("worker");
-    let started = std::time::Instant::now();
-    let (code, _, stderr) = output(command).await?;
-    assert_eq!(code, Some(1), "{stderr}");
-    assert!(
-        started.elapsed() < patient(Duration::from_secs(10)),
-        "it retried a refusal"
-    );
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    command.env("AMQP_URL", vhost.amqp_url());
+    let stderr = worker_exits_at_once(command).await?;
     assert!(
         stderr.starts_with("idem: RabbitMQ refused to declare queue")
             && stderr.contains("ACCESS_REFUSED")

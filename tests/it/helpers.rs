@@ -275,41 +275,42 @@ impl TestEnv {
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
 
+    /// The single number a `SELECT count(*) …` returns.
+    async fn count(
+        &self,
+        query: &str,
+        params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+    ) -> anyhow::Result<i64> {
+        let client = self.pool.get().await?;
+        Ok(client.query_one(query, params).await?.get(0))
+    }
+
     /// Consume records of `group` (all events).
     pub async fn records(&self, group: &str) -> anyhow::Result<i64> {
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                "SELECT count(*) FROM mq_consume_record WHERE consumer_group = $1",
-                &[&group],
-            )
-            .await?;
-        Ok(row.get(0))
+        self.count(
+            "SELECT count(*) FROM mq_consume_record WHERE consumer_group = $1",
+            &[&group],
+        )
+        .await
     }
 
     /// PostgreSQL sessions whose `application_name` is `name` (see
     /// [`Self::database_url_via`]).
     pub async fn sessions_named(&self, name: &str) -> anyhow::Result<i64> {
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-                &[&name],
-            )
-            .await?;
-        Ok(row.get(0))
+        self.count(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
+            &[&name],
+        )
+        .await
     }
 
     /// Consume records of one event in `group`.
     pub async fn records_of(&self, event_id: &str, group: &str) -> anyhow::Result<i64> {
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                "SELECT count(*) FROM mq_consume_record WHERE event_id = $1 AND consumer_group = $2",
-                &[&event_id, &group],
-            )
-            .await?;
-        Ok(row.get(0))
+        self.count(
+            "SELECT count(*) FROM mq_consume_record WHERE event_id = $1 AND consumer_group = $2",
+            &[&event_id, &group],
+        )
+        .await
     }
 
     /// Event ids recorded more than once in `group`: must always be none.
@@ -725,6 +726,24 @@ pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio:
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
     command
+}
+
+/// Runs `idem worker` as `command` says, and asserts that it exits 1 at
+/// once, without retrying, with one line on stderr; returns that line.
+pub async fn worker_exits_at_once(mut command: tokio::process::Command) -> anyhow::Result<String> {
+    command.arg("worker");
+    let started = std::time::Instant::now();
+    let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
+        .await
+        .context("the worker did not exit")??;
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(
+        started.elapsed() < patient(Duration::from_secs(10)),
+        "it retried: {stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    Ok(stderr)
 }
 
 /// `idem worker` as a real process, with its log in a file of its own.

@@ -17,7 +17,7 @@ use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use idem::secret::SecretUrl;
 use idem::worker::Mode;
 
-use crate::helpers::{RunningWorker, TestEnv, assert_exact, patient};
+use crate::helpers::{RunningWorker, TestEnv, assert_exact};
 
 /// The code of PostgreSQL's SSLRequest message.
 const SSL_REQUEST: u32 = 80_877_103;
@@ -225,23 +225,9 @@ async fn applies_through(
 }
 
 /// Runs `idem worker` as `command` says, and asserts that it exits 1 at
-/// once (it did not retry), with one line that says `says` and no password.
-async fn worker_ends_at_once(
-    mut command: tokio::process::Command,
-    says: &str,
-) -> anyhow::Result<()> {
-    command.arg("worker");
-    let started = std::time::Instant::now();
-    let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
-        .await
-        .context("the worker did not exit")??;
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
-    assert!(
-        started.elapsed() < patient(Duration::from_secs(10)),
-        "it retried: {stderr}"
-    );
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+/// once with one line that says `says` and no password.
+async fn worker_ends_at_once(command: tokio::process::Command, says: &str) -> anyhow::Result<()> {
+    let stderr = crate::helpers::worker_exits_at_once(command).await?;
     assert!(stderr.contains(says), "{says:?} not in {stderr}");
     assert!(!stderr.contains("guest:guest"), "{stderr}");
     Ok(())
