@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::event::PaymentSucceeded;
+use crate::points::PaymentSucceeded;
 
 /// What to generate.
 #[derive(Debug, Clone)]

@@ -1,12 +1,12 @@
 //! Logging: one subscriber, to standard error, filtered by `RUST_LOG` when
-//! it is set.
+//! it is set; panics logged as one line like the rest.
 
 use std::io::IsTerminal;
 
 use tracing_subscriber::EnvFilter;
 
 /// How log lines look.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum LogFormat {
     /// Human-readable lines.
     #[default]
@@ -15,8 +15,22 @@ pub enum LogFormat {
     Json,
 }
 
-/// Installs the global subscriber. `default_filter` applies unless `RUST_LOG`
-/// is set (e.g. `RUST_LOG=idem=debug`).
+impl LogFormat {
+    /// Every format.
+    pub const ALL: [LogFormat; 2] = [LogFormat::Text, LogFormat::Json];
+
+    /// The value of `--log-format` that selects this format.
+    pub fn as_flag(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
+}
+
+/// Installs the global subscriber, and a panic hook that logs through it.
+/// `default_filter` applies unless `RUST_LOG` is set (e.g.
+/// `RUST_LOG=idem=debug`).
 pub fn init(default_filter: &str, format: LogFormat) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
@@ -30,4 +44,5 @@ pub fn init(default_filter: &str, format: LogFormat) {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().try_init(),
     };
+    crate::caught::install_hook();
 }

@@ -153,6 +153,11 @@ pub struct PublishOptions {
     pub patience: Duration,
 }
 
+impl PublishOptions {
+    /// Confirms outstanding at once, unless said otherwise.
+    pub const DEFAULT_WINDOW: usize = 256;
+}
+
 /// Publishes every message, keeping up to `window` confirms outstanding.
 ///
 /// When the connection drops, it reconnects and sends again every message

@@ -13,7 +13,7 @@ use super::publisher::Outgoing;
 pub struct Topology {
     /// Topic exchange producers publish to.
     pub exchange: String,
-    /// Routing key of "payment succeeded" events.
+    /// Routing key the work queue is bound with.
     pub routing_key: String,
     /// Quorum work queue of this consumer group.
     pub queue: String,
@@ -26,19 +26,6 @@ pub struct Topology {
     /// budget, for a message that crashes the worker itself (every crash
     /// counts as a delivery on RabbitMQ 3.x).
     pub delivery_limit: u32,
-}
-
-impl Default for Topology {
-    fn default() -> Self {
-        Self {
-            exchange: "payments".into(),
-            routing_key: "payment.succeeded".into(),
-            queue: "points.payment-succeeded".into(),
-            dead_letter_exchange: "points.dlx".into(),
-            dead_letter_queue: "points.payment-succeeded.dlq".into(),
-            delivery_limit: 20,
-        }
-    }
 }
 
 /// The broker refused a declaration.
@@ -96,21 +83,42 @@ impl TopologyError {
 }
 
 impl Topology {
+    /// The work queue's `x-delivery-limit` unless said otherwise.
+    pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
+
+    /// A topology of these names, with the default delivery limit.
+    pub fn new(
+        exchange: &str,
+        routing_key: &str,
+        queue: &str,
+        dead_letter_exchange: &str,
+        dead_letter_queue: &str,
+    ) -> Self {
+        Self {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            queue: queue.into(),
+            dead_letter_exchange: dead_letter_exchange.into(),
+            dead_letter_queue: dead_letter_queue.into(),
+            delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
+        }
+    }
+
     /// A JSON event for this topology's exchange and routing key.
     pub fn event(&self, body: Vec<u8>) -> Outgoing {
         Outgoing::json(&self.exchange, &self.routing_key, body)
     }
 
-    /// The same objects under names that start with `prefix` (tests, demo).
-    pub fn prefixed(prefix: &str) -> Self {
-        let names = Self::default();
+    /// The same objects under names that start with `prefix` (tests, demo);
+    /// the routing key stays.
+    pub fn prefixed(&self, prefix: &str) -> Self {
         Self {
-            exchange: format!("{prefix}{}", names.exchange),
-            routing_key: names.routing_key,
-            queue: format!("{prefix}{}", names.queue),
-            dead_letter_exchange: format!("{prefix}{}", names.dead_letter_exchange),
-            dead_letter_queue: format!("{prefix}{}", names.dead_letter_queue),
-            delivery_limit: names.delivery_limit,
+            exchange: format!("{prefix}{}", self.exchange),
+            routing_key: self.routing_key.clone(),
+            queue: format!("{prefix}{}", self.queue),
+            dead_letter_exchange: format!("{prefix}{}", self.dead_letter_exchange),
+            dead_letter_queue: format!("{prefix}{}", self.dead_letter_queue),
+            delivery_limit: self.delivery_limit,
         }
     }
 

@@ -29,9 +29,11 @@ use crate::broker::{
     AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
     ready_messages,
 };
-use crate::event::PaymentSucceeded;
 use crate::generate::{self, LoadSpec};
+use crate::handler::Handler;
+use crate::points::{self, PaymentSucceeded, Points};
 use crate::store::{DatabaseConfig, migrate};
+use crate::vars;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -64,17 +66,33 @@ pub struct BenchConfig {
     pub modes: Vec<Mode>,
     /// The idem binary to run as the worker.
     pub worker_binary: PathBuf,
+    /// Another build of idem to measure beside it, in the same rounds.
+    pub baseline_binary: Option<PathBuf>,
 }
 
 /// What to measure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// The broker alone: consume and ack with `multiple`.
     Ceiling,
-    /// `idem worker --batch-size 1`.
+    /// `idem worker --mode per-message`.
     PerMessage,
     /// `idem worker` in batch mode.
     Batch,
+}
+
+impl Mode {
+    /// Every mode, in the order of a round.
+    pub const ALL: [Mode; 3] = [Mode::Ceiling, Mode::PerMessage, Mode::Batch];
+
+    /// The value of `--modes` that selects this mode.
+    pub fn as_flag(self) -> &'static str {
+        match self {
+            Mode::Ceiling => "ceiling",
+            Mode::PerMessage => "per-message",
+            Mode::Batch => "batch",
+        }
+    }
 }
 
 /// One measurement.
@@ -105,7 +123,9 @@ pub struct BenchReport {
 
 const CEILING: &str = "1 ceiling (ack multiple, no database)";
 const PER_MESSAGE: &str = "2 per-message";
+const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 const BATCH: &str = "3 batch";
+const BATCH_BASELINE: &str = "3 batch, baseline build";
 
 /// A mode's key without the digit that orders the printout.
 fn label(key: &str) -> &str {
@@ -167,24 +187,34 @@ impl Bench<'_> {
                 eprintln!("  ceiling      {:>9.0} msgs/s", ceiling.rate);
                 report.rounds.entry(CEILING).or_default().push(ceiling);
             }
-            for (mode, args) in [
-                (PER_MESSAGE, bench.per_message_args()),
-                (BATCH, bench.batch_args()),
+            for (wanted, args, keys) in [
+                (
+                    Mode::PerMessage,
+                    bench.per_message_args(),
+                    [PER_MESSAGE, PER_MESSAGE_BASELINE],
+                ),
+                (Mode::Batch, bench.batch_args(), [BATCH, BATCH_BASELINE]),
             ] {
-                let wanted = if mode == BATCH {
-                    Mode::Batch
-                } else {
-                    Mode::PerMessage
-                };
                 if !config.modes.contains(&wanted) {
                     continue;
                 }
-                bench.reset().await?;
-                bench.publish(&bodies).await?;
-                settle_down().await;
-                let measured = bench.worker(&args, &load).await?;
-                eprintln!("  {:<12} {:>9.0} msgs/s", label(mode), measured.rate);
-                report.rounds.entry(mode).or_default().push(measured);
+                let mut builds = vec![(keys[0], &config.worker_binary)];
+                if let Some(baseline) = &config.baseline_binary {
+                    builds.push((keys[1], baseline));
+                    // Every other round the baseline goes first: what runs
+                    // second may find the servers warmer, or tired.
+                    if round % 2 == 0 {
+                        builds.reverse();
+                    }
+                }
+                for (key, binary) in builds {
+                    bench.reset().await?;
+                    bench.publish(&bodies).await?;
+                    settle_down().await;
+                    let measured = bench.worker(binary, &args, &load).await?;
+                    eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
+                    report.rounds.entry(key).or_default().push(measured);
+                }
             }
             if config.pgbench {
                 bench.reset().await?;
@@ -217,7 +247,7 @@ impl<'a> Bench<'a> {
         let pool = database.pool()?;
         Ok(Self {
             config,
-            topology: Topology::prefixed(&format!("idem-bench-{}.", std::process::id())),
+            topology: points::topology().prefixed(&format!("idem-bench-{}.", std::process::id())),
             schema,
             database,
             pool,
@@ -227,7 +257,7 @@ impl<'a> Bench<'a> {
     /// An empty schema and an empty topology.
     async fn reset(&self) -> anyhow::Result<()> {
         self.remove().await?;
-        migrate::run(&self.pool, Some(&self.schema)).await?;
+        migrate::run::<Points>(&self.pool, Some(&self.schema)).await?;
         let connection = connect(&self.config.amqp, "idem bench").await?;
         let channel = connection.create_channel().await?;
         self.topology.declare(&channel).await?;
@@ -265,7 +295,7 @@ impl<'a> Bench<'a> {
             if std::path::Path::new(&format!("/proc/{pid}")).exists() {
                 continue;
             }
-            let topology = Topology::prefixed(&format!("idem-bench-{pid}."));
+            let topology = points::topology().prefixed(&format!("idem-bench-{pid}."));
             if let Err(error) =
                 Self::remove_objects(self.config, &self.pool, &schema, &topology).await
             {
@@ -397,26 +427,27 @@ impl<'a> Bench<'a> {
         args
     }
 
-    /// Runs `idem worker` with `args` until the load is applied, checks the
-    /// result, and measures.
+    /// Runs `binary worker` with `args` until the load is applied, checks
+    /// the result, and measures.
     async fn worker(
         &self,
+        binary: &std::path::Path,
         args: &[String],
         load: &[PaymentSucceeded],
     ) -> anyhow::Result<Measurement> {
         let services = ServiceCpu::now();
-        let mut worker = tokio::process::Command::new(&self.config.worker_binary);
+        let mut worker = tokio::process::Command::new(binary);
         if let Some(ca_file) = &self.database.ca_file {
-            worker.env("IDEM_DATABASE_CA_FILE", ca_file);
+            worker.env(vars::DATABASE_CA_FILE, ca_file);
         }
         if let Some(ca_file) = &self.config.amqp.ca_file {
-            worker.env("IDEM_AMQP_CA_FILE", ca_file);
+            worker.env(vars::AMQP_CA_FILE, ca_file);
         }
         let mut child = worker
-            .env("AMQP_URL", self.config.amqp.url.expose())
-            .env("DATABASE_URL", self.database.url.expose())
-            .env("IDEM_SCHEMA", &self.schema)
-            .envs(crate::cli::topology_environment(&self.topology))
+            .env(vars::AMQP_URL, self.config.amqp.url.expose())
+            .env(vars::DATABASE_URL, self.database.url.expose())
+            .env(vars::SCHEMA, &self.schema)
+            .envs(vars::topology(&self.topology))
             .env("RUST_LOG", "error")
             .arg("worker")
             .args(args)
@@ -563,10 +594,12 @@ impl<'a> Bench<'a> {
     }
 }
 
-/// Per-message mode's transaction, as pgbench runs it: idem's own apply
-/// statement with one event, on a fresh event id and a random order.
+/// Per-message mode's transaction, as pgbench runs it: idem's own claim
+/// statement for the points tally with one event, on a fresh event id and a
+/// random order.
 fn pgbench_script() -> String {
-    let statement = crate::store::apply_statement()
+    let tally = Points.tally().unwrap_or(points::POINTS);
+    let statement = crate::store::claim_and_tally_statement(&tally)
         .replace("$1::varchar[]", "ARRAY['pgbench-' || :event]::varchar[]")
         .replace("$2", "'pgbench'")
         .replace("$3::varchar[]", "ARRAY['order-' || :order]::varchar[]")
@@ -766,6 +799,24 @@ impl fmt::Display for BenchReport {
         }
         if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
             writeln!(f, "batch / per-message: {times:.1} ×")?;
+        }
+        let cpu = |mode| -> Vec<f64> {
+            self.rounds
+                .get(mode)
+                .map(|runs| runs.iter().filter_map(|m| m.cpu_us_per_message).collect())
+                .unwrap_or_default()
+        };
+        for (build, baseline) in [(PER_MESSAGE, PER_MESSAGE_BASELINE), (BATCH, BATCH_BASELINE)] {
+            if let (Some(throughput), Some(worker_cpu)) = (
+                ratio(&rates(build), &rates(baseline)),
+                ratio(&cpu(build), &cpu(baseline)),
+            ) {
+                writeln!(
+                    f,
+                    "{} / baseline build: throughput {throughput:.3} ×, worker CPU per message {worker_cpu:.3} ×",
+                    label(build)
+                )?;
+            }
         }
         if let (Some(tps), Some(times)) = (
             median(self.pgbench_tps.iter().copied()),

@@ -14,9 +14,9 @@ use crate::broker::{
     AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
     ready_messages,
 };
-use crate::event::PaymentSucceeded;
+use crate::points::{self, PaymentSucceeded, Points};
 use crate::store::{DatabaseConfig, migrate};
-use crate::worker::{Mode, Snapshot, Worker, WorkerConfig};
+use crate::worker::{Snapshot, Worker, WorkerConfig};
 
 /// The demo's schema.
 pub const SCHEMA: &str = "idem_demo";
@@ -69,22 +69,27 @@ fn sample() -> Vec<Vec<u8>> {
 /// Runs the demo against `amqp` and `database` (whose schema is replaced by
 /// the demo's own).
 pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<DemoReport> {
-    // The worker as `idem worker` runs it by default.
-    let tuning = Mode::Batch.tuning();
-    let database = DatabaseConfig {
-        schema: Some(SCHEMA.into()),
-        pool_size: tuning.max_in_flight + 2,
-        ..database
+    let topology = points::topology().prefixed(PREFIX);
+    // The worker as `idem worker` runs it by default, but quick to give up
+    // on services that are not there.
+    let config = WorkerConfig {
+        startup_timeout: Duration::from_secs(5),
+        shutdown_timeout: Duration::from_secs(10),
+        ..WorkerConfig::new(
+            amqp.clone(),
+            database.with_schema(SCHEMA),
+            topology.clone(),
+            CONSUMER_GROUP,
+        )
     };
-    let topology = Topology::prefixed(PREFIX);
-    let pool = database.pool()?;
+    let pool = config.database.pool()?;
     let client = pool.get().await.context("cannot reach PostgreSQL")?;
     client
         .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
         .await
         .context("cannot reset the demo schema")?;
     drop(client);
-    migrate::run(&pool, Some(SCHEMA))
+    migrate::run::<Points>(&pool, Some(SCHEMA))
         .await
         .context("migrating the demo schema")?;
     reset_topology(&amqp, &topology).await?;
@@ -96,7 +101,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .collect();
     let events = bodies
         .iter()
-        .filter_map(|b| PaymentSucceeded::parse(b, usize::MAX).ok())
+        .filter_map(|b| PaymentSucceeded::parse(b).ok())
         .map(|e| e.event_id)
         .collect::<std::collections::HashSet<_>>()
         .len();
@@ -110,20 +115,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         bail!("the broker did not confirm every demo message: {report:?}");
     }
 
-    let worker = Worker::new(WorkerConfig {
-        amqp: amqp.clone(),
-        database: database.clone(),
-        topology: topology.clone(),
-        consumer_group: CONSUMER_GROUP.into(),
-        prefetch: tuning.prefetch,
-        batch_size: tuning.batch_size,
-        batch_wait: Duration::from_millis(5),
-        max_in_flight: tuning.max_in_flight,
-        max_attempts: 5,
-        max_body_bytes: 64 * 1024,
-        shutdown_timeout: Duration::from_secs(10),
-        startup_timeout: Duration::from_secs(5),
-    });
+    let worker = Worker::new(config, Points);
     let stats = worker.stats();
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(worker.run(shutdown.clone()));

@@ -10,8 +10,8 @@ use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{AmqpConfig, Outgoing, PublishOptions, PublishReport, publish_all};
-use crate::event::PaymentSucceeded;
 use crate::generate::{self, LoadSpec};
+use crate::points::PaymentSucceeded;
 
 /// Where the events come from.
 #[derive(Debug, Clone)]
@@ -144,7 +144,7 @@ fn read_lines(
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        if let (false, Err(invalid)) = (allow_invalid, PaymentSucceeded::parse(line, usize::MAX)) {
+        if let (false, Err(invalid)) = (allow_invalid, PaymentSucceeded::parse(line)) {
             bail!(
                 "{name}:{}: {invalid} (nothing was published; --allow-invalid sends such lines as they are)",
                 index + 1

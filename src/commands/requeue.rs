@@ -21,7 +21,7 @@ use crate::broker::{
     AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
     settle,
 };
-use crate::event::PaymentSucceeded;
+use crate::handler::Handler;
 use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
 
 /// What to replay.
@@ -83,8 +83,13 @@ impl Report {
 }
 
 /// Replays (or, in a dry run, lists) the messages that are in the
-/// dead-letter queue when it starts, up to the limit.
-pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow::Result<Report> {
+/// dead-letter queue when it starts, up to the limit. `handler` reads each
+/// body's event id: whose failures to forget, whose to show.
+pub async fn run<H: Handler>(
+    config: &RequeueConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Report> {
     let mut report = Report {
         queue: config.dead_letter_queue.clone(),
         dry_run: config.dry_run,
@@ -99,6 +104,7 @@ pub async fn run(config: &RequeueConfig, shutdown: &CancellationToken) -> anyhow
             connect_with_retry(&config.amqp, "idem requeue", config.patience, shutdown).await?;
         let pass = Pass {
             config,
+            handler,
             store: &store,
             remaining: None,
             report: &mut report,
@@ -161,8 +167,9 @@ enum PassError {
 }
 
 /// One connection's worth of work.
-struct Pass<'a> {
+struct Pass<'a, H> {
     config: &'a RequeueConfig,
+    handler: &'a H,
     store: &'a Store,
     /// How many more messages may be taken: at most what was in the queue
     /// when the pass started (those dead-lettered while it runs, a replay
@@ -188,7 +195,7 @@ struct Replay {
     valid_event_id: Option<String>,
 }
 
-impl Pass<'_> {
+impl<H: Handler> Pass<'_, H> {
     async fn run(
         mut self,
         connection: &lapin::Connection,
@@ -247,7 +254,7 @@ impl Pass<'_> {
     /// What to do with a dead letter: the replay to send, or nothing when
     /// it is only listed (a dry run) or cannot be replayed (it is held).
     fn sort(&mut self, delivery: Delivery) -> Option<Replay> {
-        let valid_event_id = event_id(&delivery.data);
+        let valid_event_id = event_id(self.handler, &delivery.data);
         let entry = Entry::of(
             &delivery,
             valid_event_id.clone().unwrap_or_else(|described| described),
@@ -336,19 +343,22 @@ impl Entry {
     }
 }
 
-/// The event id of a valid body; for an invalid one, its id if it has one
-/// and what is wrong with it.
-fn event_id(body: &[u8]) -> Result<String, String> {
-    PaymentSucceeded::parse(body, usize::MAX)
-        .map(|event| event.event_id)
+/// Most characters of an invalid body shown in its place.
+const BODY_SHOWN: usize = 80;
+
+/// The event id of a valid body; for an invalid one, what is wrong with it
+/// and how it starts.
+fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
+    handler
+        .decode(body)
+        .map(|event| handler.event_id(&event).to_owned())
         .map_err(|invalid| {
-            let loose = serde_json::from_slice::<serde_json::Value>(body)
-                .ok()
-                .and_then(|v| v.get("eventId")?.as_str().map(str::to_owned));
-            match loose {
-                Some(id) => format!("{id} (invalid: {invalid})"),
-                None => format!("(invalid: {invalid})"),
+            let text = String::from_utf8_lossy(body);
+            let mut start: String = text.chars().take(BODY_SHOWN).collect();
+            if text.chars().nth(BODY_SHOWN).is_some() {
+                start.push('…');
             }
+            format!("(invalid: {invalid}) {start:?}")
         })
 }
 
@@ -453,15 +463,19 @@ mod tests {
     }
 
     #[test]
-    fn an_invalid_body_still_shows_its_event_id_when_it_has_one() {
+    fn an_invalid_body_is_shown_with_why_and_how_it_starts() {
+        let handler = crate::points::Points;
         assert_eq!(
-            event_id(br#"{"eventId":"e-1","orderId":"o","points":2}"#),
+            event_id(&handler, br#"{"eventId":"e-1","orderId":"o","points":2}"#),
             Ok("e-1".to_owned())
         );
-        assert!(
-            event_id(br#"{"eventId":"e-2","orderId":"o","points":-1}"#)
-                .is_err_and(|described| described.starts_with("e-2 (invalid: "))
+        assert_eq!(
+            event_id(&handler, br#"{"eventId":"e-2","orderId":"o","points":-1}"#),
+            Err(r#"(invalid: field `points` must be a positive integer that fits 64 bits, got -1) "{\"eventId\":\"e-2\",\"orderId\":\"o\",\"points\":-1}""#.to_owned())
         );
-        assert!(event_id(b"garbage").is_err_and(|described| described.starts_with("(invalid: ")));
+        let long = event_id(&handler, "x".repeat(100).as_bytes());
+        assert!(
+            long.is_err_and(|described| described.ends_with(&format!("{}…\"", "x".repeat(79))))
+        );
     }
 }

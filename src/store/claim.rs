@@ -1,14 +1,74 @@
 //! The consume record: `INSERT … ON CONFLICT DO NOTHING` decides which
 //! delivery owns an event's effect.
 
-/// The `claimed` step of the apply statement: a consume record for each
-/// event id of `$1` (distinct) in consumer group `$2`, inserted in id order
-/// so that concurrent batches take the unique index's locks in one order.
-/// Yields the ids that went in; an id it does not yield was recorded before
-/// (or by a concurrent transaction that committed first): a duplicate.
-pub(super) const CLAIMED: &str = "\
+use super::ledger;
+use crate::handler::Tally;
+
+/// The `claimed` step: a consume record for each event id of `$1`
+/// (distinct) in consumer group `$2`, inserted in id order so that
+/// concurrent batches take the unique index's locks in one order. Yields
+/// the ids that went in; an id it does not yield was recorded before (or by
+/// a concurrent transaction that committed first): a duplicate.
+const CLAIMED: &str = "\
     claimed AS (\
         INSERT INTO mq_consume_record (event_id, consumer_group) \
         SELECT event_id, $2 FROM unnest($1::varchar[]) AS claim(event_id) ORDER BY event_id \
         ON CONFLICT ON CONSTRAINT uk_event_consumer DO NOTHING \
         RETURNING event_id)";
+
+/// The claim of a transaction whose effect the handler applies afterwards,
+/// in the same transaction. Parameters as for [`CLAIMED`].
+pub(super) fn claim_statement() -> String {
+    format!("WITH {CLAIMED} SELECT event_id FROM claimed")
+}
+
+/// Claim, ledger clear and a [`Tally`]'s effect as one statement: a
+/// statement is a transaction of its own, so this is one round trip and one
+/// commit per batch. `$1` event ids (distinct), `$2` the consumer group,
+/// `$3` the tally's keys and `$4` its amounts, index for index with `$1`;
+/// yields the event ids that went in. The tally's names must be plain
+/// identifiers (checked when the statement is built for a worker). Public
+/// for tools that measure it (`idem bench --pgbench`).
+pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
+    let Tally {
+        table, key, amount, ..
+    } = tally;
+    format!(
+        "WITH {CLAIMED}, {cleared}, \
+         tallied AS (\
+            INSERT INTO {table} ({key}, {amount}) \
+            SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
+            FROM unnest($1::varchar[], $3::varchar[], $4::bigint[]) \
+                AS batch(event_id, tally_key, tally_amount) \
+            JOIN claimed USING (event_id) \
+            GROUP BY batch.tally_key ORDER BY batch.tally_key \
+            {upsert}) \
+         SELECT event_id FROM claimed",
+        cleared = ledger::CLEARED,
+        upsert = upsert(tally),
+    )
+}
+
+/// A [`Tally`]'s effect alone, inside a transaction: `$1` keys, `$2` amounts.
+pub(crate) fn tally_statement<E>(tally: &Tally<E>) -> String {
+    let Tally {
+        table, key, amount, ..
+    } = tally;
+    format!(
+        "INSERT INTO {table} ({key}, {amount}) \
+         SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
+         FROM unnest($1::varchar[], $2::bigint[]) AS batch(tally_key, tally_amount) \
+         GROUP BY batch.tally_key ORDER BY batch.tally_key \
+         {}",
+        upsert(tally)
+    )
+}
+
+/// Rows are updated in key order, so that concurrent batches cannot
+/// deadlock on each other's rows.
+fn upsert<E>(tally: &Tally<E>) -> String {
+    let Tally {
+        table, key, amount, ..
+    } = tally;
+    format!("ON CONFLICT ({key}) DO UPDATE SET {amount} = {table}.{amount} + EXCLUDED.{amount}")
+}

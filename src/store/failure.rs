@@ -38,12 +38,13 @@ pub enum FailureKind {
 }
 
 impl StoreError {
-    /// Classifies this failure by SQLSTATE and error kind.
+    /// Classifies this failure by SQLSTATE and error kind. An error while
+    /// connecting is never the message's fault, whatever its SQLSTATE
+    /// (PostgreSQL refusing new connections to a database says 55000).
     pub fn kind(&self) -> FailureKind {
         match self {
-            StoreError::Pool(PoolError::Backend(error)) => classify_postgres(error),
             StoreError::Pool(_) => FailureKind::Infrastructure,
-            StoreError::Postgres(error) => classify_postgres(error),
+            StoreError::Postgres(error) => classify(error),
         }
     }
 
@@ -72,7 +73,9 @@ impl StoreError {
     }
 }
 
-fn classify_postgres(error: &tokio_postgres::Error) -> FailureKind {
+/// Classifies a PostgreSQL error by its SQLSTATE; one without (the socket
+/// broke, the connection closed) is the infrastructure's.
+pub fn classify(error: &tokio_postgres::Error) -> FailureKind {
     match error.code() {
         Some(code) => classify_sqlstate(code),
         // No SQLSTATE: the socket broke, the connection closed, a timeout.
@@ -118,7 +121,7 @@ fn describe_pool(error: &PoolError) -> String {
 }
 
 /// The first line of a PostgreSQL error, with its SQLSTATE when there is one.
-fn describe(error: &tokio_postgres::Error) -> String {
+pub(crate) fn describe(error: &tokio_postgres::Error) -> String {
     match error.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         None => match std::error::Error::source(error) {

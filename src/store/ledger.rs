@@ -95,13 +95,16 @@ pub(super) async fn entry(
     .transpose()
 }
 
+/// Forgets the failures of `event_ids`: they are being applied, or replayed
+/// with a fresh budget.
 pub(super) async fn reset(
     client: &impl GenericClient,
     event_ids: &[&str],
     consumer_group: &str,
 ) -> Result<(), tokio_postgres::Error> {
+    let statement = client.prepare_cached(RESET).await?;
     client
-        .execute(RESET, &[&event_ids, &consumer_group])
+        .execute(&statement, &[&event_ids, &consumer_group])
         .await?;
     Ok(())
 }

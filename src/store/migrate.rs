@@ -1,14 +1,17 @@
-//! The embedded `sql/` migrations, applied in order under an advisory lock
-//! so that instances starting together do not race.
+//! The migrations: idem's own (`sql/`, embedded) and each handler's, applied
+//! in order under an advisory lock so that instances starting together do
+//! not race, and tracked apart (`idem_schema_migrations`,
+//! `idem_handler_migrations`) so that each can evolve.
 
-use deadpool_postgres::Pool;
+use deadpool_postgres::{Pool, Transaction};
 
 use super::StoreError;
+use crate::handler::Handler;
 
-/// One file of `sql/`.
+/// One migration: a file of `sql/`, or of a handler.
 #[derive(Debug, Clone, Copy)]
 pub struct Migration {
-    /// Order of application; the number the file name starts with.
+    /// Order of application, from 1; the number the file name starts with.
     pub version: i32,
     /// The file name, for the record.
     pub name: &'static str,
@@ -26,11 +29,40 @@ macro_rules! migration {
     };
 }
 
-/// Every migration, oldest first.
+/// idem's own migrations, oldest first.
 pub const MIGRATIONS: &[Migration] = &[
     migration!(1, "0001_consume_record_and_points.sql"),
     migration!(2, "0002_failure_ledger.sql"),
+    migration!(3, "0003_handler_migrations.sql"),
 ];
+
+/// The newest version of `migrations`; 0 for none.
+pub fn latest(migrations: &[Migration]) -> i32 {
+    migrations.last().map_or(0, |m| m.version)
+}
+
+/// Why migrating failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    /// The database failed or refused a statement.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A handler's migrations are not numbered 1, 2, 3 … or its name is
+    /// unusable: a mistake in its code.
+    #[error("handler {handler}: {problem}")]
+    Handler {
+        /// The handler.
+        handler: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+}
+
+impl From<tokio_postgres::Error> for MigrateError {
+    fn from(error: tokio_postgres::Error) -> Self {
+        Self::Store(error.into())
+    }
+}
 
 /// Key of the advisory lock that serializes migrations ("idem" in ASCII).
 const LOCK_KEY: i64 = 0x6964_656d;
@@ -41,13 +73,19 @@ const CREATE_HISTORY: &str = "\
         name       TEXT NOT NULL, \
         applied_at TIMESTAMPTZ NOT NULL DEFAULT now())";
 
-/// Applies the migrations not yet applied, in one transaction, and returns
-/// their names. Creates `schema` first when one is given.
+/// Applies, in one transaction, idem's migrations not yet applied and then
+/// handler `H`'s, and returns their names (a handler's prefixed with its
+/// name). Creates `schema` first when one is given.
 ///
 /// Safe to run again (it applies nothing) and from several processes at once
-/// (the second waits for the first, then applies nothing).
-pub async fn run(pool: &Pool, schema: Option<&str>) -> Result<Vec<&'static str>, StoreError> {
-    let mut client = pool.get().await?;
+/// (the second waits for the first, then applies nothing). A database that
+/// runs several handlers is migrated once per handler.
+pub async fn run<H: Handler>(
+    pool: &Pool,
+    schema: Option<&str>,
+) -> Result<Vec<String>, MigrateError> {
+    check_handler::<H>()?;
+    let mut client = pool.get().await.map_err(StoreError::from)?;
     let tx = client.transaction().await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await?;
@@ -57,13 +95,8 @@ pub async fn run(pool: &Pool, schema: Option<&str>) -> Result<Vec<&'static str>,
             .await?;
     }
     tx.batch_execute(CREATE_HISTORY).await?;
-    let done: Vec<i32> = tx
-        .query("SELECT version FROM idem_schema_migrations", &[])
-        .await?
-        .iter()
-        .map(|row| row.try_get(0))
-        .collect::<Result<_, _>>()?;
     let mut applied = Vec::new();
+    let done = versions(&tx, "SELECT version FROM idem_schema_migrations", &[]).await?;
     for migration in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
         tx.batch_execute(migration.sql).await?;
         tx.execute(
@@ -71,10 +104,63 @@ pub async fn run(pool: &Pool, schema: Option<&str>) -> Result<Vec<&'static str>,
             &[&migration.version, &migration.name],
         )
         .await?;
-        applied.push(migration.name);
+        applied.push(migration.name.to_owned());
+    }
+    let done = versions(
+        &tx,
+        "SELECT version FROM idem_handler_migrations WHERE handler = $1",
+        &[&H::NAME],
+    )
+    .await?;
+    for migration in H::MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
+        tx.batch_execute(migration.sql).await?;
+        tx.execute(
+            "INSERT INTO idem_handler_migrations (handler, version, name) VALUES ($1, $2, $3)",
+            &[&H::NAME, &migration.version, &migration.name],
+        )
+        .await?;
+        applied.push(format!("{}/{}", H::NAME, migration.name));
     }
     tx.commit().await?;
     Ok(applied)
+}
+
+async fn versions(
+    tx: &Transaction<'_>,
+    query: &str,
+    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
+) -> Result<Vec<i32>, tokio_postgres::Error> {
+    tx.query(query, params)
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect()
+}
+
+/// A handler's name fits its column, and its migrations are numbered 1, 2, 3 …
+fn check_handler<H: Handler>() -> Result<(), MigrateError> {
+    let problem = |problem: String| MigrateError::Handler {
+        handler: H::NAME,
+        problem,
+    };
+    if H::NAME.is_empty() || H::NAME.chars().count() > 64 {
+        return Err(problem("its name must be 1 to 64 characters".into()));
+    }
+    numbered(H::MIGRATIONS).map_err(problem)
+}
+
+/// `migrations` are numbered 1, 2, 3 … in order.
+fn numbered(migrations: &[Migration]) -> Result<(), String> {
+    for (index, migration) in migrations.iter().enumerate() {
+        let expected = i32::try_from(index + 1).unwrap_or(i32::MAX);
+        if migration.version != expected {
+            return Err(format!(
+                "migration {} has version {}, expected {expected}: number migrations 1, 2, 3 … oldest first",
+                migration.name, migration.version
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -82,11 +168,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn migrations_are_numbered_in_order_and_named_after_their_version() {
-        for (index, migration) in MIGRATIONS.iter().enumerate() {
-            let expected = i32::try_from(index + 1).unwrap_or(i32::MAX);
-            assert_eq!(migration.version, expected);
-            assert!(migration.name.starts_with(&format!("{expected:04}_")));
+    fn idems_migrations_are_numbered_in_order_and_named_after_their_version() {
+        assert_eq!(numbered(MIGRATIONS), Ok(()));
+        for migration in MIGRATIONS {
+            assert!(
+                migration
+                    .name
+                    .starts_with(&format!("{:04}_", migration.version))
+            );
         }
+    }
+
+    #[test]
+    fn migrations_out_of_order_are_refused() {
+        let gap = [MIGRATIONS[0], MIGRATIONS[2]];
+        assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
+        assert_eq!(latest(&[]), 0);
+        assert_eq!(latest(MIGRATIONS), 3);
     }
 }

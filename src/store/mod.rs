@@ -1,16 +1,16 @@
-//! Everything PostgreSQL: the pool, the migrations, and the one transaction
-//! that claims events and applies their effect.
+//! Everything PostgreSQL: the pool, the migrations, and the transaction
+//! that claims events and applies a handler's effect.
 //!
-//! The consume loop calls [`Store::apply`] and never sees SQL.
+//! The consume loop calls [`Applier::apply`] and never sees SQL.
 
+mod apply;
 mod claim;
 mod failure;
 mod ledger;
 pub mod migrate;
-mod points;
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use backon::Retryable;
@@ -22,10 +22,14 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-pub use failure::{FailureKind, StoreError, classify_sqlstate};
+pub use apply::{Applier, Claimed, Failure};
+pub use claim::claim_and_tally_statement;
+pub(crate) use claim::tally_statement;
+pub(crate) use failure::describe;
+pub use failure::{FailureKind, StoreError, classify, classify_sqlstate};
 pub use ledger::LedgerEntry;
 
-use crate::event::PaymentSucceeded;
+use crate::handler::Handler;
 use crate::secret::SecretUrl;
 
 /// Where the database is and how to use it.
@@ -73,9 +77,41 @@ pub enum ConfigError {
         "schema `{0}` is not a plain identifier (letters, digits, _; not starting with a digit)"
     )]
     Schema(String),
+    /// A handler's tally names something that is not a plain identifier.
+    #[error("handler {handler}: tally name `{name}` is not a plain identifier")]
+    Tally {
+        /// The handler.
+        handler: &'static str,
+        /// The name.
+        name: String,
+    },
 }
 
 impl DatabaseConfig {
+    /// Connections of a pool unless said otherwise.
+    pub const DEFAULT_POOL_SIZE: usize = 4;
+    /// How long to wait for a connection unless said otherwise.
+    pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// The database at `url`, in the server's `search_path`, without a CA file.
+    pub fn new(url: SecretUrl) -> Self {
+        Self {
+            url,
+            schema: None,
+            pool_size: Self::DEFAULT_POOL_SIZE,
+            connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
+            ca_file: None,
+        }
+    }
+
+    /// The same database, with idem's tables in `schema`.
+    pub fn with_schema(self, schema: impl Into<String>) -> Self {
+        Self {
+            schema: Some(schema.into()),
+            ..self
+        }
+    }
+
     /// A pool for this database; connects lazily.
     pub fn pool(&self) -> Result<Pool, ConfigError> {
         let mut pg: tokio_postgres::Config = verify_full_as_require(self.url.expose())
@@ -136,11 +172,13 @@ pub enum ReadyError {
     /// PostgreSQL did not answer within the start-up timeout.
     #[error("PostgreSQL did not answer in time: {0}")]
     Unavailable(StoreError),
-    /// The tables are missing or older than this idem.
+    /// The tables are missing or older than this idem or its handler.
     #[error(
-        "the database schema is at migration {found}, this idem needs {needed}: run `idem migrate` first"
+        "the database schema is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
     )]
     NotMigrated {
+        /// Whose migrations: `idem`, or `handler <name>`.
+        history: String,
         /// The highest migration applied.
         found: i32,
         /// The highest migration this idem has.
@@ -242,45 +280,7 @@ pub fn is_identifier(name: &str) -> bool {
         && name.len() <= 63
 }
 
-/// Which events of one transaction went in: their effect was applied now
-/// (the others were applied before, by this consumer group).
-#[derive(Debug, Default)]
-pub struct Claimed<'a> {
-    /// The transaction's distinct event ids, sorted, and whether each went in.
-    ids: Vec<(&'a str, bool)>,
-}
-
-impl Claimed<'_> {
-    /// True the first time it is asked about an event that went in:
-    /// a second copy of the same event in the same batch is a duplicate.
-    pub fn take(&mut self, event_id: &str) -> bool {
-        match self.ids.binary_search_by(|(id, _)| (*id).cmp(event_id)) {
-            Ok(index) => std::mem::replace(&mut self.ids[index].1, false),
-            Err(_) => false,
-        }
-    }
-}
-
-/// The claim-and-apply transaction, as a single statement: a statement is a
-/// transaction of its own, so this is one round trip and one commit per
-/// batch. Each step is owned by its module (`claimed`, `cleared`, `earned`);
-/// the statement yields the event ids that went in.
-static APPLY: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "WITH {}, {}, {} SELECT event_id FROM claimed",
-        claim::CLAIMED,
-        ledger::CLEARED,
-        points::EARNED
-    )
-});
-
-/// The text of the claim-and-apply statement. Its parameters: `$1` event ids
-/// (distinct), `$2` the consumer group, `$3` order ids, `$4` points.
-pub fn apply_statement() -> &'static str {
-    &APPLY
-}
-
-/// The consume records and the points of one consumer group.
+/// The consume records and the failure ledger of one consumer group.
 #[derive(Clone)]
 pub struct Store {
     /// Shared by every in-flight transaction of the worker.
@@ -312,16 +312,17 @@ impl Store {
         &self.consumer_group
     }
 
-    /// Waits until PostgreSQL answers and holds idem's tables, retrying with
-    /// backoff for at most `patience` of waiting, one log line per attempt.
-    /// A refusal (credentials, unknown database) or a schema that is not
-    /// migrated ends it at once: retrying cannot fix those.
-    pub async fn wait_until_ready(
+    /// Waits until PostgreSQL answers and holds idem's tables and those of
+    /// handler `H`, retrying with backoff for at most `patience` of waiting,
+    /// one log line per attempt. A refusal (credentials, unknown database)
+    /// or a schema that is not migrated ends it at once: retrying cannot fix
+    /// those.
+    pub async fn wait_until_ready<H: Handler>(
         &self,
         patience: Duration,
         shutdown: &CancellationToken,
     ) -> Result<(), ReadyError> {
-        let attempts = (|| self.schema_version())
+        let attempts = (|| self.schema_versions(H::NAME))
             .retry(crate::backoff::until(patience))
             .sleep(tokio::time::sleep)
             .when(|error| !is_refusal(error))
@@ -331,7 +332,7 @@ impl Store {
                     wait.as_secs_f64()
                 );
             });
-        let version = tokio::select! {
+        let (idem, handler) = tokio::select! {
             result = attempts => result.map_err(|error| if is_refusal(&error) {
                 ReadyError::Refused(error)
             } else {
@@ -339,27 +340,54 @@ impl Store {
             })?,
             () = shutdown.cancelled() => return Err(ReadyError::Interrupted),
         };
-        let needed = migrate::MIGRATIONS.len() as i32;
-        match version {
-            Some(version) if version >= needed => Ok(()),
-            found => Err(ReadyError::NotMigrated {
-                found: found.unwrap_or(0),
-                needed,
-            }),
+        for (history, found, needed) in [
+            (
+                "idem".to_owned(),
+                idem,
+                migrate::latest(migrate::MIGRATIONS),
+            ),
+            (
+                format!("handler {}", H::NAME),
+                handler,
+                migrate::latest(H::MIGRATIONS),
+            ),
+        ] {
+            if found < needed {
+                return Err(ReadyError::NotMigrated {
+                    history,
+                    found,
+                    needed,
+                });
+            }
         }
+        Ok(())
     }
 
-    /// The highest migration applied; `None` when none ever was.
-    async fn schema_version(&self) -> Result<Option<i32>, StoreError> {
+    /// The highest migration applied of idem's and of handler `handler`'s;
+    /// 0 where none was.
+    async fn schema_versions(&self, handler: &str) -> Result<(i32, i32), StoreError> {
         let client = self.pool.get().await?;
-        match client
+        let idem = client
             .query_one("SELECT max(version) FROM idem_schema_migrations", &[])
-            .await
-        {
-            Ok(row) => Ok(row.try_get(0)?),
-            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => Ok(None),
-            Err(error) => Err(error.into()),
-        }
+            .await;
+        let idem: Option<i32> = match idem {
+            Ok(row) => row.try_get(0)?,
+            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => return Ok((0, 0)),
+            Err(error) => return Err(error.into()),
+        };
+        let handler = client
+            .query_one(
+                "SELECT max(version) FROM idem_handler_migrations WHERE handler = $1",
+                &[&handler],
+            )
+            .await;
+        let handler: Option<i32> = match handler {
+            Ok(row) => row.try_get(0)?,
+            // A database from before handlers had migrations of their own.
+            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => None,
+            Err(error) => return Err(error.into()),
+        };
+        Ok((idem.unwrap_or(0), handler.unwrap_or(0)))
     }
 
     /// Counts a genuine failure of `event_id`, in a transaction of its own
@@ -394,45 +422,6 @@ impl Store {
         }
         let client = self.pool.get().await?;
         Ok(ledger::reset(&client, event_ids, &self.consumer_group).await?)
-    }
-
-    /// In one transaction: records each distinct event of `events` for this
-    /// consumer group, and adds the points of those that went in (the
-    /// others were applied before), summed per order. Returns the events
-    /// that went in. The failure ledger's rows of these events go in the
-    /// same transaction. On error nothing is applied: the records roll back
-    /// with the points.
-    pub async fn apply<'a>(
-        &self,
-        events: &[&'a PaymentSucceeded],
-    ) -> Result<Claimed<'a>, StoreError> {
-        // Distinct: a second copy in the same batch is a duplicate.
-        let mut distinct: Vec<&'a PaymentSucceeded> = events.to_vec();
-        // Stable: of two copies, the one delivered first wins, as in per-message mode.
-        distinct.sort_by(|a, b| a.event_id.cmp(&b.event_id));
-        distinct.dedup_by(|a, b| a.event_id == b.event_id);
-        let event_ids: Vec<&'a str> = distinct.iter().map(|e| e.event_id.as_str()).collect();
-        let order_ids: Vec<&str> = distinct.iter().map(|e| e.order_id.as_str()).collect();
-        let points: Vec<i64> = distinct.iter().map(|e| e.points).collect();
-
-        let client = self.pool.get().await?;
-        let statement = client.prepare_cached(&APPLY).await?;
-        let rows = client
-            .query(
-                &statement,
-                &[&event_ids, &self.consumer_group, &order_ids, &points],
-            )
-            .await?;
-        let mut claimed = Claimed {
-            ids: event_ids.iter().map(|id| (*id, false)).collect(),
-        };
-        for row in &rows {
-            let id: &str = row.try_get(0)?;
-            if let Ok(index) = claimed.ids.binary_search_by(|(known, _)| (*known).cmp(id)) {
-                claimed.ids[index].1 = true;
-            }
-        }
-        Ok(claimed)
     }
 }
 

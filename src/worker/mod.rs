@@ -2,8 +2,9 @@
 //! transaction on a pooled connection, settle with the broker after commit,
 //! and shut down cleanly when told to.
 //!
-//! It knows no SQL (that is [`crate::store`]) and makes no ack decision of
-//! its own (that is [`process`]).
+//! It knows no SQL (that is [`crate::store`]), no business type (that is
+//! the [`Handler`]'s) and makes no ack decision of its own (that is
+//! `process`).
 
 mod health;
 mod intake;
@@ -15,27 +16,29 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
-use lapin::types::FieldTable;
+use lapin::types::{DeliveryTag, FieldTable};
 use lapin::{Channel, Connection};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, info_span, warn};
+use tracing::{Instrument, error, info, info_span, warn};
 
 pub use stats::{Snapshot, Stats};
 
 use crate::broker::{
     AmqpConfig, ConnectError, Topology, TopologyError, close, close_channel, connect_with_retry,
 };
-use crate::store::{DatabaseConfig, ReadyError, Store};
+use crate::caught;
+use crate::handler::Handler;
+use crate::store::{Applier, DatabaseConfig, ReadyError, Store};
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
-use settle::Settler;
+use settle::{Disposition, Settlement, Settler};
 
 /// How deliveries are grouped into transactions.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
     /// Many deliveries per transaction, several transactions in flight: the
     /// default, with every guarantee of per-message mode.
@@ -56,7 +59,10 @@ pub struct Tuning {
 }
 
 impl Mode {
-    /// The value of `--mode` that selects this mode.
+    /// Every mode.
+    pub const ALL: [Mode; 2] = [Mode::Batch, Mode::PerMessage];
+
+    /// The value of `--mode` (and `IDEM_MODE`) that selects this mode.
     pub fn as_flag(self) -> &'static str {
         match self {
             Mode::Batch => "batch",
@@ -84,7 +90,19 @@ impl Mode {
     }
 }
 
-/// Everything the worker needs to know.
+impl std::str::FromStr for Mode {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Mode::ALL
+            .into_iter()
+            .find(|mode| mode.as_flag() == text)
+            .ok_or_else(|| format!("unknown mode '{text}' (batch or per-message)"))
+    }
+}
+
+/// Everything the worker needs to know. [`WorkerConfig::new`] gives idem's
+/// defaults, which `idem worker`'s flags start from too.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
     /// The broker.
@@ -115,6 +133,62 @@ pub struct WorkerConfig {
     pub startup_timeout: Duration,
 }
 
+impl WorkerConfig {
+    /// Genuine failures after which a message is dead-lettered, by default.
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+    /// How long a batch waits for more deliveries, by default.
+    pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
+    /// Largest body decoded, by default.
+    pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
+    /// How long in-flight work may take after a shutdown signal, by default.
+    pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+    /// How long to wait for the services at start-up, by default.
+    pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
+
+    /// A worker of `consumer_group` on `topology`, in batch mode, with
+    /// idem's defaults for everything else (the database's pool is sized
+    /// for the transactions in flight, see [`WorkerConfig::with_mode`]).
+    pub fn new(
+        amqp: AmqpConfig,
+        database: DatabaseConfig,
+        topology: Topology,
+        consumer_group: impl Into<String>,
+    ) -> Self {
+        let config = Self {
+            amqp,
+            database,
+            topology,
+            consumer_group: consumer_group.into(),
+            prefetch: 0,
+            batch_size: 0,
+            batch_wait: Self::DEFAULT_BATCH_WAIT,
+            max_in_flight: 0,
+            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
+            shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
+            startup_timeout: Self::DEFAULT_STARTUP_TIMEOUT,
+        };
+        config.with_mode(Mode::Batch)
+    }
+
+    /// The same worker in `mode`, with that mode's [`Tuning`], and a pool of
+    /// two connections more than the transactions in flight: the extra ones
+    /// serve the failure ledger while transactions hold the others.
+    pub fn with_mode(self, mode: Mode) -> Self {
+        let tuning = mode.tuning();
+        Self {
+            prefetch: tuning.prefetch,
+            batch_size: tuning.batch_size,
+            max_in_flight: tuning.max_in_flight,
+            database: DatabaseConfig {
+                pool_size: tuning.max_in_flight + 2,
+                ..self.database
+            },
+            ..self
+        }
+    }
+}
+
 /// Why the worker stopped other than by being asked to.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -134,10 +208,12 @@ pub enum WorkerError {
     Topology(#[from] TopologyError),
 }
 
-/// A worker: build it, keep its [`Stats`] if you want them, then [`run`](Worker::run) it.
+/// A worker of one handler: build it, keep its [`Stats`] if you want them,
+/// then [`run`](Worker::run) it.
 #[derive(Debug)]
-pub struct Worker {
+pub struct Worker<H> {
     config: WorkerConfig,
+    handler: H,
     stats: Arc<Stats>,
 }
 
@@ -150,11 +226,12 @@ enum SessionEnd {
     Lost(String),
 }
 
-impl Worker {
-    /// A worker with fresh counters.
-    pub fn new(config: WorkerConfig) -> Self {
+impl<H: Handler> Worker<H> {
+    /// A worker applying `handler`'s effect, with fresh counters.
+    pub fn new(config: WorkerConfig, handler: H) -> Self {
         Self {
             config,
+            handler,
             stats: Arc::default(),
         }
     }
@@ -171,36 +248,39 @@ impl Worker {
         let pool = self.config.database.pool()?;
         let store = Store::new(pool, self.config.consumer_group.clone());
         match store
-            .wait_until_ready(self.config.startup_timeout, &shutdown)
+            .wait_until_ready::<H>(self.config.startup_timeout, &shutdown)
             .await
         {
             Ok(()) => {}
             Err(ReadyError::Interrupted) => return Ok(()),
             Err(error) => return Err(error.into()),
         }
+        let Self {
+            config,
+            handler,
+            stats,
+        } = self;
         let processor = Arc::new(Processor {
-            store,
-            max_attempts: self.config.max_attempts,
-            max_body_bytes: self.config.max_body_bytes,
+            applier: Applier::new(store, Arc::new(handler))?,
+            max_attempts: config.max_attempts,
+            max_body_bytes: config.max_body_bytes,
             health: DatabaseHealth::new(),
-            stats: Arc::clone(&self.stats),
+            stats: Arc::clone(&stats),
             max_hold_backoff: Duration::from_secs(5),
         });
         // After the first connection, a lost one is retried for as long as it takes.
-        let mut patience = self.config.startup_timeout;
+        let mut patience = config.startup_timeout;
         let mut pause = Pause::default();
         loop {
             let connection =
-                match connect_with_retry(&self.config.amqp, "idem worker", patience, &shutdown)
-                    .await
-                {
+                match connect_with_retry(&config.amqp, "idem worker", patience, &shutdown).await {
                     Ok(connection) => connection,
                     Err(ConnectError::Interrupted) => return Ok(()),
                     Err(error) => return Err(error.into()),
                 };
             patience = RECONNECT_PATIENCE;
             let started = Instant::now();
-            let end = self.session(&connection, &processor, &shutdown).await;
+            let end = session(&config, &connection, &processor, &shutdown).await;
             close(&connection).await;
             match end? {
                 SessionEnd::Drained => {
@@ -208,7 +288,7 @@ impl Worker {
                     return Ok(());
                 }
                 SessionEnd::Lost(reason) => {
-                    self.stats.reconnects(1);
+                    stats.reconnects(1);
                     let wait = pause.after(started.elapsed());
                     warn!(%reason, "lost the connection to RabbitMQ: reconnecting in {:.1}s", wait.as_secs_f64());
                     tokio::select! {
@@ -219,111 +299,131 @@ impl Worker {
             }
         }
     }
+}
 
-    /// Declares and consumes on one connection until it fails, or until
-    /// shutdown drains it (or its deadline passes).
-    async fn session(
-        &self,
-        connection: &Connection,
-        processor: &Arc<Processor>,
-        shutdown: &CancellationToken,
-    ) -> Result<SessionEnd, WorkerError> {
-        let channel = match open_channel(connection, &self.config).await {
-            Ok(channel) => channel,
-            Err(OpenError::Topology(
-                error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. }),
-            )) => {
-                return Err(error.into());
-            }
-            Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
-        };
-        let deadline = async {
-            shutdown.cancelled().await;
-            tokio::time::sleep(self.config.shutdown_timeout).await;
-        };
-        let end = tokio::select! {
-            end = self.consume(&channel, processor, shutdown) => end,
-            () = deadline => {
-                warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
-                SessionEnd::Drained
-            }
-        };
-        if let SessionEnd::Drained = end {
-            close_channel(&channel).await;
+/// Declares and consumes on one connection until it fails, or until
+/// shutdown drains it (or its deadline passes).
+async fn session<H: Handler>(
+    config: &WorkerConfig,
+    connection: &Connection,
+    processor: &Arc<Processor<H>>,
+    shutdown: &CancellationToken,
+) -> Result<SessionEnd, WorkerError> {
+    let channel = match open_channel(connection, config).await {
+        Ok(channel) => channel,
+        Err(OpenError::Topology(
+            error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. }),
+        )) => {
+            return Err(error.into());
         }
-        Ok(end)
+        Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
+    };
+    let deadline = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(config.shutdown_timeout).await;
+    };
+    let end = tokio::select! {
+        end = consume(config, &channel, processor, shutdown) => end,
+        () = deadline => {
+            warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
+            SessionEnd::Drained
+        }
+    };
+    if let SessionEnd::Drained = end {
+        close_channel(&channel).await;
     }
+    Ok(end)
+}
 
-    /// Consumes and settles on one channel until it fails, or until
-    /// shutdown cancels the consumer and everything taken is settled.
-    async fn consume(
-        &self,
-        channel: &Channel,
-        processor: &Arc<Processor>,
-        shutdown: &CancellationToken,
-    ) -> SessionEnd {
-        let config = &self.config;
-        let consumer = match channel
-            .basic_consume(
-                config.topology.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-        {
-            Ok(consumer) => consumer,
-            Err(error) => return SessionEnd::Lost(error.to_string()),
+/// Consumes and settles on one channel until it fails, or until shutdown
+/// cancels the consumer and everything taken is settled.
+async fn consume<H: Handler>(
+    config: &WorkerConfig,
+    channel: &Channel,
+    processor: &Arc<Processor<H>>,
+    shutdown: &CancellationToken,
+) -> SessionEnd {
+    let consumer = match channel
+        .basic_consume(
+            config.topology.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(consumer) => consumer,
+        Err(error) => return SessionEnd::Lost(error.to_string()),
+    };
+    processor.stats.sessions(1);
+    info!(
+        queue = %config.topology.queue,
+        consumer_group = %config.consumer_group,
+        prefetch = config.prefetch,
+        batch_size = config.batch_size,
+        "consuming"
+    );
+    let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
+    let (settler, settled) = Settler::spawn(channel.clone());
+    let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    let mut in_flight = JoinSet::new();
+    let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
+    let end = loop {
+        let batch = match intake.next_batch().await {
+            Ok(Some(batch)) => batch,
+            Ok(None) if shutdown.is_cancelled() => break SessionEnd::Drained,
+            // The broker cancelled us (the queue was deleted, say): start over.
+            Ok(None) => break SessionEnd::Lost("the broker cancelled the consumer".into()),
+            Err(error) => break SessionEnd::Lost(error.to_string()),
         };
-        processor.stats.sessions(1);
-        info!(
-            queue = %config.topology.queue,
-            consumer_group = %config.consumer_group,
-            prefetch = config.prefetch,
-            batch_size = config.batch_size,
-            "consuming"
+        processor.health.wait_up().await;
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            unreachable!("the semaphore is never closed");
+        };
+        let tags: Vec<_> = batch.iter().map(|d| d.delivery_tag).collect();
+        settler.track(tags.clone());
+        let span = info_span!(
+            "batch",
+            delivery.first_tag = batch[0].delivery_tag,
+            batch.size = batch.len()
         );
-        let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
-        let (settler, settled) = Settler::spawn(channel.clone());
-        let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
-        let mut in_flight = JoinSet::new();
-        let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
-        let end = loop {
-            let batch = match intake.next_batch().await {
-                Ok(Some(batch)) => batch,
-                Ok(None) if shutdown.is_cancelled() => break SessionEnd::Drained,
-                // The broker cancelled us (the queue was deleted, say): start over.
-                Ok(None) => break SessionEnd::Lost("the broker cancelled the consumer".into()),
-                Err(error) => break SessionEnd::Lost(error.to_string()),
-            };
-            processor.health.wait_up().await;
-            let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-                unreachable!("the semaphore is never closed");
-            };
-            settler.track(batch.iter().map(|d| d.delivery_tag).collect());
-            let span = info_span!(
-                "batch",
-                delivery.first_tag = batch[0].delivery_tag,
-                batch.size = batch.len()
-            );
-            let (processor, settler) = (Arc::clone(processor), settler.clone());
-            in_flight.spawn(
-                async move {
-                    settler.settle(processor.process(batch).await);
-                    drop(permit);
-                }
-                .instrument(span),
-            );
-            while in_flight.try_join_next().is_some() {}
-        };
-        canceller.abort();
-        if let SessionEnd::Drained = end {
-            while in_flight.join_next().await.is_some() {}
-            drop(settler);
-            let _ = settled.await;
-        }
-        end
+        let (processor, settler) = (Arc::clone(processor), settler.clone());
+        in_flight.spawn(
+            async move {
+                let settlements = match caught::future(processor.process(batch)).await {
+                    Ok(settlements) => settlements,
+                    Err(panic) => given_back(&processor.stats, tags, &panic),
+                };
+                settler.settle(settlements);
+                drop(permit);
+            }
+            .instrument(span),
+        );
+        while in_flight.try_join_next().is_some() {}
+    };
+    canceller.abort();
+    if let SessionEnd::Drained = end {
+        while in_flight.join_next().await.is_some() {}
+        drop(settler);
+        let _ = settled.await;
     }
+    end
+}
+
+/// What becomes of a batch whose processing panicked outside the handler's
+/// transaction (where a panic is a failure of its message): no one knows
+/// which delivery did it, so each goes back to the broker, whose delivery
+/// limit is the backstop for a message that keeps crashing idem. Settling
+/// them keeps the settler from waiting on them for ever.
+fn given_back(stats: &Stats, tags: Vec<DeliveryTag>, panic: &caught::Panic) -> Vec<Settlement> {
+    error!(%panic, batch.size = tags.len(), "processing a batch panicked: returning its deliveries to the broker");
+    stats.retried(tags.len() as u64);
+    tags.into_iter()
+        .map(|tag| Settlement {
+            tag,
+            disposition: Disposition::Retry,
+        })
+        .collect()
 }
 
 /// How long to keep trying to reconnect after a connection loss: as long

@@ -1,4 +1,4 @@
-//! Handling a batch of deliveries: parse, apply in one transaction, and
+//! Handling a batch of deliveries: decode, apply in one transaction, and
 //! decide what the broker is told. All failure handling lives here.
 //!
 //! - invalid message: dead-letter at once;
@@ -7,6 +7,7 @@
 //! - infrastructure unavailable: hold the deliveries and retry with backoff,
 //!   never spending a message's attempts on an outage.
 
+use std::fmt::Display;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,28 +16,29 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, DeliveryTag};
 use tracing::{debug, info, warn};
 
-use super::health::DatabaseHealth;
+use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
-use crate::event::PaymentSucceeded;
-use crate::store::{FailureKind, Store, StoreError};
+use crate::caught;
+use crate::handler::{Handler, Invalid, check_event_id};
+use crate::store::{Applier, Failure, FailureKind, Store};
 
 /// A delivery whose body is a valid event.
-struct Item {
+struct Item<E> {
     tag: DeliveryTag,
     redelivered: bool,
     /// The quorum queue's count of earlier deliveries, when it set one.
     delivery_count: Option<i64>,
-    event: PaymentSucceeded,
+    event: E,
 }
 
 /// Applies batches of deliveries; shared by every in-flight batch.
 #[derive(Debug)]
-pub(crate) struct Processor {
-    pub(crate) store: Store,
+pub(crate) struct Processor<H: Handler> {
+    pub(crate) applier: Applier<H>,
     /// Genuine failures after which a message is dead-lettered.
     pub(crate) max_attempts: u32,
-    /// Bodies above this are invalid and never parsed.
+    /// Bodies above this are invalid and never decoded.
     pub(crate) max_body_bytes: usize,
     pub(crate) health: DatabaseHealth,
     pub(crate) stats: Arc<Stats>,
@@ -44,7 +46,19 @@ pub(crate) struct Processor {
     pub(crate) max_hold_backoff: Duration,
 }
 
-impl Processor {
+impl<H: Handler> Processor<H> {
+    fn handler(&self) -> &H {
+        self.applier.handler()
+    }
+
+    fn store(&self) -> &Store {
+        self.applier.store()
+    }
+
+    fn event_id<'e>(&self, item: &'e Item<H::Event>) -> &'e str {
+        self.handler().event_id(&item.event)
+    }
+
     /// Decides every delivery of `batch`. Returns only once each is decided,
     /// which may be long while the database is unavailable.
     pub(crate) async fn process(&self, batch: Vec<Delivery>) -> Vec<Settlement> {
@@ -52,7 +66,7 @@ impl Processor {
         let mut settlements = Vec::with_capacity(batch.len());
         let mut items = Vec::with_capacity(batch.len());
         for delivery in batch {
-            match PaymentSucceeded::parse(&delivery.data, self.max_body_bytes) {
+            match self.decode(&delivery.data) {
                 Ok(event) => items.push(Item {
                     tag: delivery.delivery_tag,
                     redelivered: delivery.redelivered,
@@ -80,35 +94,55 @@ impl Processor {
         settlements
     }
 
+    /// The handler's event of `body`, checked against idem's own rules: a
+    /// body within the limit, a usable deduplication key. A handler that
+    /// panics on a body finds it invalid.
+    fn decode(&self, body: &[u8]) -> Result<H::Event, Invalid> {
+        if body.len() > self.max_body_bytes {
+            return Err(Invalid::new(format!(
+                "body is {} bytes, above the limit of {} bytes",
+                body.len(),
+                self.max_body_bytes
+            )));
+        }
+        let handler = self.handler();
+        let event = caught::call(|| handler.decode(body))
+            .map_err(|panic| Invalid::new(format!("decoding it {panic}")))??;
+        caught::call(|| check_event_id(handler.event_id(&event)))
+            .map_err(|panic| Invalid::new(format!("reading its event id {panic}")))??;
+        Ok(event)
+    }
+
     /// Applies `items` in one transaction; when that fails for a message
     /// reason and there is more than one, applies them one by one so that a
     /// poison message cannot hold back the others.
-    async fn apply(&self, mut items: Vec<Item>, settlements: &mut Vec<Settlement>) {
+    async fn apply(&self, mut items: Vec<Item<H::Event>>, settlements: &mut Vec<Settlement>) {
         if items.iter().any(|item| item.redelivered) {
             items = self.dead_letter_exhausted(items, settlements).await;
         }
         if items.is_empty() {
             return;
         }
-        let events: Vec<&PaymentSucceeded> = items.iter().map(|item| &item.event).collect();
+        let events: Vec<&H::Event> = items.iter().map(|item| &item.event).collect();
         let outcome = self
-            .until_database_answers(|| self.store.apply(&events))
+            .until_database_answers(|| self.applier.apply(&events), is_infrastructure)
             .await
             .map(|mut claimed| {
                 items
                     .iter()
-                    .map(|item| claimed.take(&item.event.event_id))
+                    .map(|item| claimed.take(self.event_id(item)))
                     .collect::<Vec<bool>>()
             });
         match outcome {
             Ok(went_in) => {
                 for (item, went_in) in items.into_iter().zip(went_in) {
+                    let event_id = self.event_id(&item);
                     if went_in {
                         self.stats.applied(1);
-                        debug!(delivery.tag = item.tag, event.id = %item.event.event_id, "applied");
+                        debug!(delivery.tag = item.tag, event.id = %event_id, "applied");
                     } else {
                         self.stats.duplicates(1);
-                        debug!(delivery.tag = item.tag, event.id = %item.event.event_id, "duplicate: acked without effect");
+                        debug!(delivery.tag = item.tag, event.id = %event_id, "duplicate: acked without effect");
                     }
                     settlements.push(Settlement {
                         tag: item.tag,
@@ -116,15 +150,15 @@ impl Processor {
                     });
                 }
             }
-            Err(error) if items.len() > 1 => {
-                info!(batch.size = items.len(), %error, "batch transaction failed: applying its messages one by one");
+            Err(failure) if items.len() > 1 => {
+                info!(batch.size = items.len(), %failure, "batch transaction failed: applying its messages one by one");
                 for item in items {
                     Box::pin(self.apply(vec![item], settlements)).await;
                 }
             }
-            Err(error) => {
+            Err(failure) => {
                 for item in items {
-                    settlements.push(self.failed(item, &error).await);
+                    settlements.push(self.failed(item, &failure).await);
                 }
             }
         }
@@ -135,29 +169,32 @@ impl Processor {
     /// failure and before the broker heard of it.
     async fn dead_letter_exhausted(
         &self,
-        items: Vec<Item>,
+        items: Vec<Item<H::Event>>,
         settlements: &mut Vec<Settlement>,
-    ) -> Vec<Item> {
+    ) -> Vec<Item<H::Event>> {
         let ids: Vec<&str> = items
             .iter()
             .filter(|item| item.redelivered)
-            .map(|item| item.event.event_id.as_str())
+            .map(|item| self.event_id(item))
             .collect();
         let exhausted = match self
-            .until_database_answers(|| self.store.exhausted(&ids, self.max_attempts))
+            .until_database_answers(
+                || self.store().exhausted(&ids, self.max_attempts),
+                |error| error.kind() == FailureKind::Infrastructure,
+            )
             .await
         {
             Ok(exhausted) => exhausted,
             // The ledger cannot be read: attempt them; a failure is counted anyway.
             Err(_) => return items,
         };
-        let (spent, rest): (Vec<Item>, Vec<Item>) = items
-            .into_iter()
-            .partition(|item| item.redelivered && exhausted.contains(&item.event.event_id));
+        let (spent, rest): (Vec<_>, Vec<_>) = items.into_iter().partition(|item| {
+            item.redelivered && exhausted.iter().any(|id| id == self.event_id(item))
+        });
         for item in spent {
             warn!(
                 delivery.tag = item.tag,
-                event.id = %item.event.event_id,
+                event.id = %self.event_id(&item),
                 max_attempts = self.max_attempts,
                 "out of attempts before the last restart: dead-lettering it"
             );
@@ -171,20 +208,20 @@ impl Processor {
     }
 
     /// This message's transaction failed and rolled back: count the failure,
-    /// then give it back for another attempt or dead-letter it.
-    async fn failed(&self, item: Item, error: &StoreError) -> Settlement {
-        let text = error.to_string();
-        let failures = match self
-            .until_database_answers(|| self.store.record_failure(&item.event.event_id, &text))
-            .await
-        {
-            Ok(failures) => failures,
-            Err(ledger_error) => {
-                // Counting failed for a reason of its own; the broker's
-                // delivery limit remains the backstop.
-                warn!(event.id = %item.event.event_id, %ledger_error, "could not count the failure");
-                0
-            }
+    /// then give it back for another attempt or dead-letter it. A failure
+    /// that cannot be counted has not been: the delivery is held, as in an
+    /// outage, until the ledger takes it; returning it uncounted would let
+    /// the broker's delivery limit dead-letter a message idem never gave up on.
+    async fn failed(&self, item: Item<H::Event>, failure: &Failure) -> Settlement {
+        let event_id = self.event_id(&item);
+        let counted = self
+            .until_database_answers(
+                || self.store().record_failure(event_id, &failure.reason),
+                |_| true,
+            )
+            .await;
+        let Ok(failures) = counted else {
+            unreachable!("every error of the ledger is retried");
         };
         let disposition = if failures >= self.max_attempts {
             self.stats.dead_lettered(1);
@@ -197,10 +234,10 @@ impl Processor {
             delivery.tag = item.tag,
             delivery.redelivered = item.redelivered,
             delivery.count = item.delivery_count,
-            event.id = %item.event.event_id,
+            event.id = %event_id,
             attempt = failures,
             max_attempts = self.max_attempts,
-            %error,
+            error = %failure,
             "{}",
             if disposition == Disposition::DeadLetter {
                 "transaction failed and the message is out of attempts: dead-lettering it"
@@ -214,27 +251,41 @@ impl Processor {
         }
     }
 
-    /// Runs `operation` until it succeeds or fails for a reason of the
-    /// message's own; while the database is unavailable, waits with
-    /// exponential backoff and jitter, however long that takes.
-    async fn until_database_answers<T, F, Fut>(&self, operation: F) -> Result<T, StoreError>
+    /// Runs `operation` until it succeeds or fails with an error `held` does
+    /// not hold it for; while it is held, waits with exponential backoff and
+    /// jitter, however long that takes, and keeps the intake closed.
+    async fn until_database_answers<T, E, F, Fut>(
+        &self,
+        operation: F,
+        held: impl Fn(&E) -> bool,
+    ) -> Result<T, E>
     where
+        E: Display,
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<T, StoreError>>,
+        Fut: Future<Output = Result<T, E>>,
     {
+        let mut hold: Option<Hold<'_>> = None;
         let result = operation
             .retry(crate::backoff::forever(self.max_hold_backoff))
             .sleep(tokio::time::sleep)
-            .when(|error: &StoreError| error.kind() == FailureKind::Infrastructure)
+            .when(|error: &E| held(error))
             .notify(|error, wait| {
-                self.health.set_down(error);
+                if hold.is_none() {
+                    hold = Some(self.health.hold(error));
+                }
                 self.stats.infrastructure_retries(1);
                 debug!(%error, wait_ms = wait.as_millis() as u64, "database unavailable; retrying");
             })
             .await;
-        self.health.set_up();
+        if let Some(hold) = hold {
+            hold.release();
+        }
         result
     }
+}
+
+fn is_infrastructure(failure: &Failure) -> bool {
+    failure.kind == FailureKind::Infrastructure
 }
 
 /// The `x-delivery-count` header a quorum queue puts on redeliveries.

@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::process::Command;
 
-use idem::event::PaymentSucceeded;
+use idem::points::PaymentSucceeded;
 use idem::store::migrate;
 
 use crate::helpers::{
@@ -114,7 +114,7 @@ async fn migrations_are_idempotent_and_safe_to_run_concurrently() -> anyhow::Res
         ..env.database.clone()
     };
     let pool = database.pool()?;
-    let again = migrate::run(&pool, Some(&schema)).await;
+    let again = migrate::run::<idem::points::Points>(&pool, Some(&schema)).await;
     let client = pool.get().await?;
     let recorded: i64 = client
         .query_one("SELECT count(*) FROM idem_schema_migrations", &[])

@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use idem::broker::death::REPLAY_HEADER;
 use idem::commands::requeue::{self, RequeueConfig};
-use idem::event::PaymentSucceeded;
+use idem::points::{PaymentSucceeded, Points};
 
 use crate::helpers::{GROUP, RunningWorker, TestEnv, patient, wait_for};
 use idem::worker::Mode;
@@ -149,10 +149,7 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     );
     let letters = env.dead_letters().await?;
     assert_eq!(letters.len(), 1);
-    assert_eq!(
-        PaymentSucceeded::parse(&letters[0].body, usize::MAX),
-        Ok(poison)
-    );
+    assert_eq!(PaymentSucceeded::parse(&letters[0].body), Ok(poison));
     let death = letters[0]
         .death()
         .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
@@ -163,7 +160,12 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     assert_eq!(death.reason, "rejected");
 
     // A dry run lists it with its last error and moves nothing.
-    let listed = requeue::run(&requeue_config(&env, true), &CancellationToken::new()).await?;
+    let listed = requeue::run(
+        &requeue_config(&env, true),
+        &Points,
+        &CancellationToken::new(),
+    )
+    .await?;
     assert_eq!(listed.listed.len(), 1);
     assert_eq!(listed.listed[0].event_id, "payment-success-50001");
     let failures = listed.listed[0]
@@ -181,7 +183,12 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
 
     // Fixed: the replay gets a fresh budget and is applied, once.
     env.sql("DROP TRIGGER poison ON user_points").await?;
-    let replayed = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    let replayed = requeue::run(
+        &requeue_config(&env, false),
+        &Points,
+        &CancellationToken::new(),
+    )
+    .await?;
     assert!(replayed.succeeded(), "{replayed}");
     assert_eq!(replayed.replayed.len(), 1);
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
@@ -197,7 +204,12 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     assert_eq!(env.points("50001").await?, 70);
 
     // Nothing left: a second requeue replays nothing.
-    let again = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    let again = requeue::run(
+        &requeue_config(&env, false),
+        &Points,
+        &CancellationToken::new(),
+    )
+    .await?;
     assert_eq!((again.replayed.len(), again.failed.len()), (0, 0));
     Ok(())
 }
@@ -224,7 +236,12 @@ async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queu
         "the other queue got the original"
     );
 
-    let report = requeue::run(&requeue_config(&env, false), &CancellationToken::new()).await?;
+    let report = requeue::run(
+        &requeue_config(&env, false),
+        &Points,
+        &CancellationToken::new(),
+    )
+    .await?;
     assert_eq!(report.replayed.len(), 1);
     assert_eq!(
         env.ready(&env.topology.queue).await?,
@@ -306,14 +323,14 @@ async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_r
         limit: Some(limit),
         ..requeue_config(&env, false)
     };
-    let report = requeue::run(&config, &CancellationToken::new()).await?;
+    let report = requeue::run(&config, &Points, &CancellationToken::new()).await?;
     assert!(report.succeeded(), "{report}");
     assert_eq!(report.replayed.len(), limit);
 
     let body_ids = |letters: Vec<crate::helpers::DeadLetter>| -> anyhow::Result<Vec<String>> {
         letters
             .iter()
-            .map(|letter| Ok(PaymentSucceeded::parse(&letter.body, usize::MAX)?.event_id))
+            .map(|letter| Ok(PaymentSucceeded::parse(&letter.body)?.event_id))
             .collect()
     };
     let replayed = body_ids(env.peek(&env.topology.queue).await?)?;

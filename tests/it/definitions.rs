@@ -30,7 +30,7 @@ fn sorted(value: &Value, key: &str) -> Vec<String> {
 #[test]
 fn the_definitions_file_holds_exactly_the_declared_topology() -> anyhow::Result<()> {
     let file = definitions()?;
-    let declared = Topology::default().definitions("/");
+    let declared = idem::points::topology().definitions("/");
     for key in ["exchanges", "queues", "bindings"] {
         assert_eq!(sorted(&file, key), sorted(&declared, key), "{key} differ");
     }
@@ -85,7 +85,7 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
     imported?;
     // The import finishes in the background: wait until its queues exist,
     // or the worker would declare them first and meet nothing.
-    let defaults = Topology::default();
+    let defaults = idem::points::topology();
     crate::helpers::wait_for("the import", Duration::from_secs(30), || async {
         let listed = crate::helpers::rabbitmqctl()
             .args([
@@ -108,12 +108,12 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
     let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
     let connection = connect(&amqp, "idem definitions test").await?;
     let channel = connection.create_channel().await?;
-    Topology::default().declare(&channel).await?;
+    idem::points::topology().declare(&channel).await?;
 
     // And a worker configured otherwise is told so in one clear line.
     let other = Topology {
-        delivery_limit: Topology::default().delivery_limit + 3,
-        ..Topology::default()
+        delivery_limit: idem::points::topology().delivery_limit + 3,
+        ..idem::points::topology()
     };
     let channel = connection.create_channel().await?;
     match other.declare(&channel).await {

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use idem::event::PaymentSucceeded;
+use idem::points::PaymentSucceeded;
 
 use crate::helpers::{
     DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_port, amqp_url, assert_exact,
@@ -423,7 +423,12 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
         patience: patient(Duration::from_secs(20)),
     };
     let replaying = tokio::spawn(async move {
-        idem::commands::requeue::run(&config, &tokio_util::sync::CancellationToken::new()).await
+        idem::commands::requeue::run(
+            &config,
+            &idem::points::Points,
+            &tokio_util::sync::CancellationToken::new(),
+        )
+        .await
     });
     wait_for(
         "replaying to be under way",

@@ -19,9 +19,10 @@ use tokio_util::sync::CancellationToken;
 use idem::broker::{
     AmqpConfig, Outgoing, PublishOptions, PublishReport, Topology, connect, publish_all,
 };
-use idem::event::PaymentSucceeded;
+use idem::points::PaymentSucceeded;
 use idem::secret::SecretUrl;
 use idem::store::{DatabaseConfig, migrate};
+use idem::vars;
 use idem::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
 
 /// The broker's AMQP port: 5672 unless `IDEM_TEST_AMQP_PORT` says
@@ -101,7 +102,7 @@ impl Drop for Vhost {
 }
 
 pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
-pub const GROUP: &str = "points-consumer-group";
+pub const GROUP: &str = idem::points::CONSUMER_GROUP;
 
 /// Names of this process's test objects start with this.
 fn process_prefix() -> String {
@@ -129,15 +130,12 @@ impl TestEnv {
         let name = format!("{}{:08x}", process_prefix(), fastrand::u32(..));
         let schema = name.clone();
         let database = DatabaseConfig {
-            url: SecretUrl::new(DATABASE_URL),
-            schema: Some(schema.clone()),
-            pool_size: 4,
-            connect_timeout: patient(Duration::from_secs(5)),
-            ca_file: None,
+            connect_timeout: patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT),
+            ..DatabaseConfig::new(SecretUrl::new(DATABASE_URL)).with_schema(&schema)
         };
         let pool = database.pool()?;
-        migrate::run(&pool, Some(&schema)).await?;
-        let topology = Topology::prefixed(&format!("{}.", name.replace('_', "-")));
+        migrate::run::<idem::points::Points>(&pool, Some(&schema)).await?;
+        let topology = idem::points::topology().prefixed(&format!("{}.", name.replace('_', "-")));
         let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
         let env = Self {
             name,
@@ -174,25 +172,19 @@ impl TestEnv {
         Ok(connect(&self.amqp, "idem test").await?)
     }
 
-    /// A worker configuration for this environment in the default mode.
+    /// A worker configuration for this environment in `mode`: idem's
+    /// defaults, with deadlines for a test.
     pub fn worker_config(&self, mode: Mode) -> WorkerConfig {
-        let tuning = mode.tuning();
         WorkerConfig {
-            amqp: self.amqp.clone(),
-            database: DatabaseConfig {
-                pool_size: tuning.max_in_flight + 2,
-                ..self.database.clone()
-            },
-            topology: self.topology.clone(),
-            consumer_group: GROUP.into(),
-            prefetch: tuning.prefetch,
-            batch_size: tuning.batch_size,
-            batch_wait: Duration::from_millis(5),
-            max_in_flight: tuning.max_in_flight,
-            max_attempts: 5,
-            max_body_bytes: 64 * 1024,
             shutdown_timeout: patient(Duration::from_secs(10)),
             startup_timeout: patient(Duration::from_secs(10)),
+            ..WorkerConfig::new(
+                self.amqp.clone(),
+                self.database.clone(),
+                self.topology.clone(),
+                GROUP,
+            )
+            .with_mode(mode)
         }
     }
 
@@ -621,11 +613,17 @@ pub struct RunningWorker {
 }
 
 impl RunningWorker {
+    /// The points worker.
     pub fn start(config: WorkerConfig) -> Self {
+        Self::start_with(config, idem::points::Points)
+    }
+
+    /// A worker of `handler`.
+    pub fn start_with<H: idem::handler::Handler>(config: WorkerConfig, handler: H) -> Self {
         if let Ok(filter) = std::env::var("IDEM_TEST_LOG") {
             idem::telemetry::init(&filter, idem::telemetry::LogFormat::Text);
         }
-        let worker = Worker::new(config);
+        let worker = Worker::new(config, handler);
         let stats = worker.stats();
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn(worker.run(shutdown.clone()));
@@ -719,10 +717,10 @@ pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio:
     command
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .env("AMQP_URL", amqp_url)
-        .env("DATABASE_URL", database_url)
-        .env("IDEM_SCHEMA", &env.schema)
-        .envs(idem::cli::topology_environment(&env.topology))
+        .env(vars::AMQP_URL, amqp_url)
+        .env(vars::DATABASE_URL, database_url)
+        .env(vars::SCHEMA, &env.schema)
+        .envs(vars::topology(&env.topology))
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true);
     command

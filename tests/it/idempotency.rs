@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use idem::event::PaymentSucceeded;
 use idem::generate::{self, LoadSpec};
+use idem::points::PaymentSucceeded;
 
 use crate::helpers::{GROUP, RunningWorker, TestEnv};
 use idem::worker::Mode;
@@ -150,6 +150,7 @@ in_both_modes!(
 async fn two_copies_in_one_batch_count_once_and_the_first_delivered_wins() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let store = idem::store::Store::new(env.pool.clone(), GROUP);
+    let store = idem::store::Applier::new(store, std::sync::Arc::new(idem::points::Points))?;
     let first = payment("batch-event-1", "batch-order", 5);
     let later_copy = payment("batch-event-1", "batch-order", 9);
     let other = payment("batch-event-2", "batch-order", 1);

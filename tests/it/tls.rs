@@ -212,7 +212,7 @@ async fn serve(
 async fn applies_through(
     env: &TestEnv,
     config: idem::worker::WorkerConfig,
-    load: &[idem::event::PaymentSucceeded],
+    load: &[idem::points::PaymentSucceeded],
     proxy: &TlsProxy,
 ) -> anyhow::Result<()> {
     let worker = RunningWorker::start(config);

@@ -1,21 +1,25 @@
 //! Flags and environment variables, and their translation into the typed
-//! settings the library takes. Every flag has an environment fallback.
+//! settings the library takes. Every flag has an environment fallback
+//! ([`idem::vars`]); every default is the library's.
 
+use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
 
-use crate::broker::{AmqpConfig, PublishOptions, Topology};
-use crate::commands::bench::BenchConfig;
-use crate::commands::publish::{PublishConfig, Source};
-use crate::commands::requeue::RequeueConfig;
-use crate::event::PaymentSucceeded;
-use crate::generate::LoadSpec;
-use crate::secret::SecretUrl;
-use crate::store::DatabaseConfig;
-use crate::telemetry::LogFormat;
-use crate::worker::{Mode, WorkerConfig};
+use idem::broker::{AmqpConfig, PublishOptions, Topology};
+use idem::commands::bench::{self, BenchConfig};
+use idem::commands::publish::{PublishConfig, Source};
+use idem::commands::requeue::RequeueConfig;
+use idem::generate::LoadSpec;
+use idem::points::{self, PaymentSucceeded};
+use idem::secret::SecretUrl;
+use idem::store::DatabaseConfig;
+use idem::telemetry::LogFormat;
+use idem::vars;
+use idem::worker::{Mode, WorkerConfig};
 
 /// Longest consumer group: `mq_consume_record.consumer_group`.
 const MAX_CONSUMER_GROUP_CHARS: usize = 64;
@@ -23,39 +27,31 @@ const MAX_CONSUMER_GROUP_CHARS: usize = 64;
 /// idem: exactly-once effects from at-least-once RabbitMQ delivery.
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about, long_about = None)]
-pub struct Cli {
+pub(crate) struct Cli {
     #[command(flatten)]
-    #[allow(missing_docs)]
-    pub services: ServiceArgs,
+    pub(crate) services: ServiceArgs,
     #[command(flatten)]
-    #[allow(missing_docs)]
-    pub topology: TopologyArgs,
+    pub(crate) topology: TopologyArgs,
     /// Consumer group: part of the deduplication key, so each group applies
     /// an event once.
-    #[arg(
-        long,
-        env = "IDEM_CONSUMER_GROUP",
-        default_value = "points-consumer-group",
-        global = true
-    )]
-    pub consumer_group: String,
+    #[arg(long, env = vars::CONSUMER_GROUP, default_value = points::CONSUMER_GROUP, global = true)]
+    pub(crate) consumer_group: String,
     /// Log format.
     #[arg(
         long,
-        env = "IDEM_LOG_FORMAT",
-        value_enum,
-        default_value_t,
+        env = vars::LOG_FORMAT,
+        default_value = LogFormat::default().as_flag(),
+        value_parser = choice(&LogFormat::ALL, |format| format.as_flag()),
         global = true
     )]
-    pub log_format: LogFormat,
+    pub(crate) log_format: LogFormat,
     #[command(subcommand)]
-    #[allow(missing_docs)]
-    pub command: Command,
+    pub(crate) command: Command,
 }
 
 /// What to do.
 #[derive(Debug, Subcommand)]
-pub enum Command {
+pub(crate) enum Command {
     /// Apply the embedded SQL migrations (idempotent; safe to run concurrently).
     Migrate,
     /// Consume and apply events until SIGINT/SIGTERM, then drain and exit 0.
@@ -72,234 +68,282 @@ pub enum Command {
 
 /// Where RabbitMQ and PostgreSQL are.
 #[derive(Debug, Args)]
-pub struct ServiceArgs {
+pub(crate) struct ServiceArgs {
     /// RabbitMQ URL, vhost included (`%2f` is `/`).
     #[arg(
         long,
-        env = "AMQP_URL",
+        env = vars::AMQP_URL,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
         global = true,
         hide_env_values = true
     )]
-    pub amqp_url: String,
+    pub(crate) amqp_url: String,
     /// With an `amqps://` URL: CA certificates (PEM) the broker's certificate
     /// may chain to, besides the system's.
-    #[arg(long, env = "IDEM_AMQP_CA_FILE", global = true)]
-    pub amqp_ca_file: Option<std::path::PathBuf>,
+    #[arg(long, env = vars::AMQP_CA_FILE, global = true)]
+    pub(crate) amqp_ca_file: Option<PathBuf>,
     /// PostgreSQL URL or key/value connection string.
     #[arg(
         long,
-        env = "DATABASE_URL",
+        env = vars::DATABASE_URL,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres",
         global = true,
         hide_env_values = true
     )]
-    pub database_url: String,
+    pub(crate) database_url: String,
     /// With `sslmode=require` in the database URL: CA certificates (PEM) the
     /// server's certificate must chain to; default: the system's.
-    #[arg(long, env = "IDEM_DATABASE_CA_FILE", global = true)]
-    pub database_ca_file: Option<std::path::PathBuf>,
+    #[arg(long, env = vars::DATABASE_CA_FILE, global = true)]
+    pub(crate) database_ca_file: Option<PathBuf>,
     /// Schema for idem's tables (created by `migrate`); default: the server's search_path.
-    #[arg(long, env = "IDEM_SCHEMA", global = true)]
-    pub schema: Option<String>,
+    #[arg(long, env = vars::SCHEMA, global = true)]
+    pub(crate) schema: Option<String>,
     /// How long to wait for RabbitMQ to answer, at start and after a connection loss.
-    #[arg(long, env = "IDEM_STARTUP_TIMEOUT", default_value = "3m", value_parser = parse_duration, global = true)]
-    pub startup_timeout: Duration,
+    #[arg(
+        long,
+        env = vars::STARTUP_TIMEOUT,
+        default_value_t = Wait(WorkerConfig::DEFAULT_STARTUP_TIMEOUT),
+        global = true
+    )]
+    pub(crate) startup_timeout: Wait,
 }
 
 /// Names of the exchanges and queues.
 #[derive(Debug, Args)]
-pub struct TopologyArgs {
+pub(crate) struct TopologyArgs {
     /// Exchange producers publish to (topic).
-    #[arg(long, env = "IDEM_EXCHANGE", default_value = "payments", global = true)]
-    pub exchange: String,
+    #[arg(long, env = vars::EXCHANGE, default_value = points::EXCHANGE, global = true)]
+    pub(crate) exchange: String,
     /// Routing key of payment events.
-    #[arg(
-        long,
-        env = "IDEM_ROUTING_KEY",
-        default_value = "payment.succeeded",
-        global = true
-    )]
-    pub routing_key: String,
+    #[arg(long, env = vars::ROUTING_KEY, default_value = points::ROUTING_KEY, global = true)]
+    pub(crate) routing_key: String,
     /// Work queue (quorum).
-    #[arg(
-        long,
-        env = "IDEM_QUEUE",
-        default_value = "points.payment-succeeded",
-        global = true
-    )]
-    pub queue: String,
+    #[arg(long, env = vars::QUEUE, default_value = points::QUEUE, global = true)]
+    pub(crate) queue: String,
     /// Dead-letter exchange.
     #[arg(
         long,
-        env = "IDEM_DEAD_LETTER_EXCHANGE",
-        default_value = "points.dlx",
+        env = vars::DEAD_LETTER_EXCHANGE,
+        default_value = points::DEAD_LETTER_EXCHANGE,
         global = true
     )]
-    pub dead_letter_exchange: String,
+    pub(crate) dead_letter_exchange: String,
     /// Dead-letter queue (classic).
     #[arg(
         long,
-        env = "IDEM_DEAD_LETTER_QUEUE",
-        default_value = "points.payment-succeeded.dlq",
+        env = vars::DEAD_LETTER_QUEUE,
+        default_value = points::DEAD_LETTER_QUEUE,
         global = true
     )]
-    pub dead_letter_queue: String,
+    pub(crate) dead_letter_queue: String,
     /// The work queue's x-delivery-limit: a backstop above --max-attempts for
     /// a message that crashes the worker itself.
-    #[arg(long, env = "IDEM_DELIVERY_LIMIT", default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000), global = true)]
-    pub delivery_limit: u32,
-}
-
-/// The environment that points a child `idem` at `topology`, for the bench
-/// and the tests: the variables `TopologyArgs` reads.
-pub fn topology_environment(topology: &Topology) -> Vec<(&'static str, String)> {
-    vec![
-        ("IDEM_EXCHANGE", topology.exchange.clone()),
-        ("IDEM_ROUTING_KEY", topology.routing_key.clone()),
-        ("IDEM_QUEUE", topology.queue.clone()),
-        (
-            "IDEM_DEAD_LETTER_EXCHANGE",
-            topology.dead_letter_exchange.clone(),
-        ),
-        ("IDEM_DEAD_LETTER_QUEUE", topology.dead_letter_queue.clone()),
-        ("IDEM_DELIVERY_LIMIT", topology.delivery_limit.to_string()),
-    ]
+    #[arg(
+        long,
+        env = vars::DELIVERY_LIMIT,
+        default_value_t = Topology::DEFAULT_DELIVERY_LIMIT,
+        value_parser = clap::value_parser!(u32).range(1..=10_000),
+        global = true
+    )]
+    pub(crate) delivery_limit: u32,
 }
 
 /// `idem worker`.
 #[derive(Debug, Args)]
-pub struct WorkerArgs {
+pub(crate) struct WorkerArgs {
     /// Genuine failures (counted in the failure ledger) after which a message is dead-lettered.
-    #[arg(long, env = "IDEM_MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub max_attempts: u32,
+    #[arg(
+        long,
+        env = vars::MAX_ATTEMPTS,
+        default_value_t = WorkerConfig::DEFAULT_MAX_ATTEMPTS,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
+    )]
+    pub(crate) max_attempts: u32,
     /// `batch`: many deliveries per transaction; `per-message`: one transaction per delivery.
-    #[arg(long, env = "IDEM_MODE", value_enum, default_value_t = Mode::Batch)]
-    pub mode: Mode,
+    #[arg(
+        long,
+        env = vars::MODE,
+        default_value = Mode::Batch.as_flag(),
+        value_parser = choice(&Mode::ALL, |mode| mode.as_flag())
+    )]
+    pub(crate) mode: Mode,
     /// Most unacknowledged deliveries in this worker [default: 1000 in batch mode, 64 per message].
-    #[arg(long, env = "IDEM_PREFETCH", value_parser = clap::value_parser!(u16).range(1..))]
-    pub prefetch: Option<u16>,
+    #[arg(long, env = vars::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefetch: Option<u16>,
     /// Batch mode: most deliveries in one transaction [default: 200].
-    #[arg(long, env = "IDEM_BATCH_SIZE", value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub batch_size: Option<u32>,
+    #[arg(long, env = vars::BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub(crate) batch_size: Option<u32>,
     /// Batch mode: how long a batch waits for more deliveries after its first.
-    #[arg(long, env = "IDEM_BATCH_WAIT", default_value = "5ms", value_parser = parse_duration)]
-    pub batch_wait: Duration,
+    #[arg(long, env = vars::BATCH_WAIT, default_value_t = Wait(WorkerConfig::DEFAULT_BATCH_WAIT))]
+    pub(crate) batch_wait: Wait,
     /// Most transactions in flight at once [default: 3 in batch mode, 16 per message].
-    #[arg(long, env = "IDEM_MAX_IN_FLIGHT", value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub max_in_flight: Option<u32>,
+    #[arg(long, env = vars::MAX_IN_FLIGHT, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub(crate) max_in_flight: Option<u32>,
     /// Most PostgreSQL connections [default: transactions in flight + 2].
-    #[arg(long, env = "IDEM_POOL_SIZE", value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub pool_size: Option<u32>,
+    #[arg(long, env = vars::POOL_SIZE, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub(crate) pool_size: Option<u32>,
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
-    #[arg(long, env = "IDEM_MAX_BODY_BYTES", default_value_t = 64 * 1024)]
-    pub max_body_bytes: usize,
+    #[arg(long, env = vars::MAX_BODY_BYTES, default_value_t = WorkerConfig::DEFAULT_MAX_BODY_BYTES)]
+    pub(crate) max_body_bytes: usize,
     /// After SIGINT/SIGTERM, how long in-flight work may take before the worker closes anyway.
-    #[arg(long, env = "IDEM_SHUTDOWN_TIMEOUT", default_value = "30s", value_parser = parse_duration)]
-    pub shutdown_timeout: Duration,
+    #[arg(
+        long,
+        env = vars::SHUTDOWN_TIMEOUT,
+        default_value_t = Wait(WorkerConfig::DEFAULT_SHUTDOWN_TIMEOUT)
+    )]
+    pub(crate) shutdown_timeout: Wait,
 }
 
 /// `idem publish`: exactly one of --event-id, --file, --count.
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("source").required(true).args(["event_id", "file", "count"]))]
-pub struct PublishArgs {
+pub(crate) struct PublishArgs {
     /// Publish one event with this id (with --order-id and --points).
     #[arg(long, requires_all = ["order_id", "points"])]
-    pub event_id: Option<String>,
+    pub(crate) event_id: Option<String>,
     /// Order of the single event.
     #[arg(long)]
-    pub order_id: Option<String>,
+    pub(crate) order_id: Option<String>,
     /// Points of the single event.
     #[arg(long, allow_negative_numbers = true)]
-    pub points: Option<i64>,
+    pub(crate) points: Option<i64>,
     /// Publish each line of this file (`-` for standard input) as one message.
     #[arg(long)]
-    pub file: Option<PathBuf>,
+    pub(crate) file: Option<PathBuf>,
     /// With --file: send lines that are not valid events as they are.
     #[arg(long, requires = "file")]
-    pub allow_invalid: bool,
+    pub(crate) allow_invalid: bool,
     /// Publish this many generated events.
     #[arg(long)]
-    pub count: Option<usize>,
+    pub(crate) count: Option<usize>,
     /// With --count: share of messages that repeat an earlier event.
     #[arg(long, default_value_t = 0.1, value_parser = parse_ratio)]
-    pub duplicate_ratio: f64,
+    pub(crate) duplicate_ratio: f64,
     /// With --count: orders the events are spread over.
     #[arg(long, default_value_t = 100)]
-    pub orders: usize,
+    pub(crate) orders: usize,
     /// With --count: seed of the generator (default: the time).
     #[arg(long)]
-    pub seed: Option<u64>,
+    pub(crate) seed: Option<u64>,
     /// With --count: start of the generated ids (default: `load-<seed>`).
     #[arg(long)]
-    pub prefix: Option<String>,
+    pub(crate) prefix: Option<String>,
     /// Most publishes awaiting their confirm at once.
-    #[arg(long, env = "IDEM_CONFIRM_WINDOW", default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=65_535))]
-    pub window: u32,
+    #[arg(
+        long,
+        env = vars::CONFIRM_WINDOW,
+        default_value_t = PublishOptions::DEFAULT_WINDOW as u32,
+        value_parser = clap::value_parser!(u32).range(1..=65_535)
+    )]
+    pub(crate) window: u32,
 }
 
 /// `idem requeue`.
 #[derive(Debug, Args)]
-pub struct RequeueArgs {
+pub(crate) struct RequeueArgs {
     /// Replay at most this many messages.
     #[arg(long)]
-    pub limit: Option<usize>,
+    pub(crate) limit: Option<usize>,
     /// List what would be replayed (event, reason, count, time); move nothing.
     #[arg(long)]
-    pub dry_run: bool,
+    pub(crate) dry_run: bool,
 }
 
 /// `idem bench`.
 #[derive(Debug, Args)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     /// Messages per run, duplicates included.
     #[arg(long, default_value_t = 200_000)]
-    pub messages: usize,
+    pub(crate) messages: usize,
     /// Share of duplicates in the load.
     #[arg(long, default_value_t = 0.1, value_parser = parse_ratio)]
-    pub duplicate_ratio: f64,
+    pub(crate) duplicate_ratio: f64,
     /// Orders the events are spread over.
     #[arg(long, default_value_t = 1000)]
-    pub orders: usize,
+    pub(crate) orders: usize,
     /// Prefetch of every consumer measured.
     #[arg(long, default_value_t = Mode::Batch.tuning().prefetch)]
-    pub prefetch: u16,
+    pub(crate) prefetch: u16,
     /// Batch mode: deliveries per transaction.
     #[arg(long, default_value_t = Mode::Batch.tuning().batch_size)]
-    pub batch_size: usize,
+    pub(crate) batch_size: usize,
     /// Batch mode: wait for a batch to fill.
-    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
-    pub batch_wait: Duration,
+    #[arg(long, default_value_t = Wait(WorkerConfig::DEFAULT_BATCH_WAIT))]
+    pub(crate) batch_wait: Wait,
     /// Batch mode: transactions in flight.
     #[arg(long, default_value_t = Mode::Batch.tuning().max_in_flight)]
-    pub batch_in_flight: usize,
+    pub(crate) batch_in_flight: usize,
     /// Per-message mode: transactions in flight.
     #[arg(long, default_value_t = Mode::PerMessage.tuning().max_in_flight)]
-    pub per_message_in_flight: usize,
+    pub(crate) per_message_in_flight: usize,
     /// Rounds; medians are reported.
     #[arg(long, default_value_t = 3)]
-    pub rounds: usize,
+    pub(crate) rounds: usize,
     /// Also run pgbench with per-message mode's transaction at 16 clients.
     #[arg(long)]
-    pub pgbench: bool,
+    pub(crate) pgbench: bool,
     /// What to measure.
     #[arg(
         long,
-        value_enum,
         value_delimiter = ',',
-        default_value = "ceiling,per-message,batch"
+        default_value = "ceiling,per-message,batch",
+        value_parser = choice(&bench::Mode::ALL, |mode| mode.as_flag())
     )]
-    pub modes: Vec<crate::commands::bench::Mode>,
+    pub(crate) modes: Vec<bench::Mode>,
+    /// Another build of idem whose worker is measured beside this one's, in
+    /// the same rounds (a build of the main branch, say).
+    #[arg(long)]
+    pub(crate) baseline: Option<PathBuf>,
+}
+
+/// A parser that takes one of `all` by its flag, and lists them in help and
+/// errors.
+fn choice<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    flag: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    PossibleValuesParser::new(all.iter().map(|value| flag(*value))).map(move |text| {
+        all.iter()
+            .copied()
+            .find(|value| flag(*value) == text)
+            .unwrap_or(all[0])
+    })
+}
+
+/// A duration as flags take it (`250ms`, `30s`, `5m`, `1h`), and shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Wait(pub(crate) Duration);
+
+impl std::str::FromStr for Wait {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_duration(text).map(Wait)
+    }
+}
+
+impl fmt::Display for Wait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let millis = self.0.as_millis();
+        match millis {
+            _ if millis.is_multiple_of(3_600_000) && millis > 0 => {
+                write!(f, "{}h", millis / 3_600_000)
+            }
+            _ if millis.is_multiple_of(60_000) && millis > 0 => write!(f, "{}m", millis / 60_000),
+            _ if millis.is_multiple_of(1000) => write!(f, "{}s", millis / 1000),
+            _ => write!(f, "{millis}ms"),
+        }
+    }
 }
 
 /// A setting that parsed but makes no sense.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-pub struct SettingError(String);
+pub(crate) struct SettingError(String);
 
 impl Cli {
     /// The broker.
-    pub fn amqp(&self) -> AmqpConfig {
+    pub(crate) fn amqp(&self) -> AmqpConfig {
         AmqpConfig {
             url: SecretUrl::new(self.services.amqp_url.clone()),
             ca_file: self.services.amqp_ca_file.clone(),
@@ -307,43 +351,47 @@ impl Cli {
     }
 
     /// The database, with a pool of `pool_size`.
-    pub fn database(&self, pool_size: usize) -> DatabaseConfig {
+    pub(crate) fn database(&self, pool_size: usize) -> DatabaseConfig {
         DatabaseConfig {
             url: SecretUrl::new(self.services.database_url.clone()),
             schema: self.services.schema.clone(),
             pool_size,
-            connect_timeout: Duration::from_secs(5),
+            connect_timeout: DatabaseConfig::DEFAULT_CONNECT_TIMEOUT,
             ca_file: self.services.database_ca_file.clone(),
         }
     }
 
     /// The topology.
-    pub fn topology(&self) -> Topology {
+    pub(crate) fn topology(&self) -> Topology {
         let names = &self.topology;
         Topology {
-            exchange: names.exchange.clone(),
-            routing_key: names.routing_key.clone(),
-            queue: names.queue.clone(),
-            dead_letter_exchange: names.dead_letter_exchange.clone(),
-            dead_letter_queue: names.dead_letter_queue.clone(),
             delivery_limit: names.delivery_limit,
+            ..Topology::new(
+                &names.exchange,
+                &names.routing_key,
+                &names.queue,
+                &names.dead_letter_exchange,
+                &names.dead_letter_queue,
+            )
         }
     }
 
     /// The consumer group, checked against its column.
-    pub fn consumer_group(&self) -> Result<String, SettingError> {
+    pub(crate) fn consumer_group(&self) -> Result<String, SettingError> {
         let group = self.consumer_group.trim();
         if group.is_empty() || group.chars().count() > MAX_CONSUMER_GROUP_CHARS {
             return Err(SettingError(format!(
-                "--consumer-group (IDEM_CONSUMER_GROUP) must be 1 to {MAX_CONSUMER_GROUP_CHARS} characters, got {:?}",
+                "--consumer-group ({}) must be 1 to {MAX_CONSUMER_GROUP_CHARS} characters, got {:?}",
+                vars::CONSUMER_GROUP,
                 self.consumer_group
             )));
         }
         Ok(group.to_owned())
     }
 
-    /// Settings of `idem worker`.
-    pub fn worker(&self, args: &WorkerArgs) -> Result<WorkerConfig, SettingError> {
+    /// Settings of `idem worker`: the library's defaults for its mode, and
+    /// what the flags say.
+    pub(crate) fn worker(&self, args: &WorkerArgs) -> Result<WorkerConfig, SettingError> {
         if self.topology.delivery_limit < args.max_attempts {
             return Err(SettingError(format!(
                 "--delivery-limit ({}) must be at least --max-attempts ({}): it is the backstop \
@@ -351,45 +399,56 @@ impl Cli {
                 self.topology.delivery_limit, args.max_attempts
             )));
         }
-        let tuning = args.mode.tuning();
-        let batch_size = match (args.mode, args.batch_size) {
-            (Mode::PerMessage, Some(size)) if size != 1 => {
-                return Err(SettingError(format!(
-                    "--batch-size ({size}) applies to batch mode; per-message mode applies one delivery per transaction"
-                )));
-            }
-            (_, size) => size.map_or(tuning.batch_size, |size| size as usize),
-        };
+        if let (Mode::PerMessage, Some(size)) = (args.mode, args.batch_size)
+            && size != 1
+        {
+            return Err(SettingError(format!(
+                "--batch-size ({size}) applies to batch mode; per-message mode applies one delivery per transaction"
+            )));
+        }
+        let defaults = WorkerConfig::new(
+            self.amqp(),
+            self.database(DatabaseConfig::DEFAULT_POOL_SIZE),
+            self.topology(),
+            self.consumer_group()?,
+        )
+        .with_mode(args.mode);
         let max_in_flight = args
             .max_in_flight
-            .map_or(tuning.max_in_flight, |n| n as usize);
+            .map_or(defaults.max_in_flight, |n| n as usize);
         // The extra connections serve the failure ledger while transactions hold the others.
         let pool_size = args.pool_size.map_or(max_in_flight + 2, |n| n as usize);
         Ok(WorkerConfig {
-            amqp: self.amqp(),
-            database: self.database(pool_size),
-            topology: self.topology(),
-            consumer_group: self.consumer_group()?,
-            prefetch: args.prefetch.unwrap_or(tuning.prefetch),
-            batch_size,
-            batch_wait: args.batch_wait,
+            database: DatabaseConfig {
+                pool_size,
+                ..defaults.database.clone()
+            },
+            prefetch: args.prefetch.unwrap_or(defaults.prefetch),
+            batch_size: args
+                .batch_size
+                .map_or(defaults.batch_size, |size| size as usize),
+            batch_wait: args.batch_wait.0,
             max_in_flight,
             max_attempts: args.max_attempts,
             max_body_bytes: args.max_body_bytes,
-            shutdown_timeout: args.shutdown_timeout,
-            startup_timeout: self.services.startup_timeout,
+            shutdown_timeout: args.shutdown_timeout.0,
+            startup_timeout: self.services.startup_timeout.0,
+            ..defaults
         })
     }
 
     /// Settings and source of `idem publish`.
-    pub fn publish(&self, args: &PublishArgs) -> Result<(PublishConfig, Source), SettingError> {
+    pub(crate) fn publish(
+        &self,
+        args: &PublishArgs,
+    ) -> Result<(PublishConfig, Source), SettingError> {
         let config = PublishConfig {
             amqp: self.amqp(),
             exchange: self.topology.exchange.clone(),
             routing_key: self.topology.routing_key.clone(),
             options: PublishOptions {
                 window: args.window as usize,
-                patience: self.services.startup_timeout,
+                patience: self.services.startup_timeout.0,
             },
         };
         let source = if let (Some(event_id), Some(order_id), Some(points)) =
@@ -401,7 +460,7 @@ impl Cli {
                 points,
             };
             // The same rules as the worker's, so a flag typo fails here.
-            PaymentSucceeded::parse(&event.to_body(), usize::MAX)
+            PaymentSucceeded::parse(&event.to_body())
                 .map_err(|invalid| SettingError(format!("the event is invalid: {invalid}")))?;
             Source::One(event)
         } else if let Some(path) = &args.file {
@@ -430,10 +489,18 @@ impl Cli {
     }
 
     /// Settings of `idem bench`.
-    pub fn bench(&self, args: &BenchArgs) -> Result<BenchConfig, SettingError> {
+    pub(crate) fn bench(&self, args: &BenchArgs) -> Result<BenchConfig, SettingError> {
         let worker_binary = std::env::current_exe().map_err(|e| {
             SettingError(format!("cannot find the idem binary to run workers: {e}"))
         })?;
+        if let Some(baseline) = &args.baseline
+            && !baseline.is_file()
+        {
+            return Err(SettingError(format!(
+                "--baseline {}: no such file",
+                baseline.display()
+            )));
+        }
         Ok(BenchConfig {
             amqp: self.amqp(),
             database: self.database(2),
@@ -442,18 +509,19 @@ impl Cli {
             orders: args.orders,
             prefetch: args.prefetch,
             batch_size: args.batch_size,
-            batch_wait: args.batch_wait,
+            batch_wait: args.batch_wait.0,
             batch_in_flight: args.batch_in_flight,
             per_message_in_flight: args.per_message_in_flight,
             rounds: args.rounds.max(1),
             pgbench: args.pgbench,
             modes: args.modes.clone(),
             worker_binary,
+            baseline_binary: args.baseline.clone(),
         })
     }
 
     /// Settings of `idem requeue`.
-    pub fn requeue(&self, args: &RequeueArgs) -> Result<RequeueConfig, SettingError> {
+    pub(crate) fn requeue(&self, args: &RequeueArgs) -> Result<RequeueConfig, SettingError> {
         Ok(RequeueConfig {
             amqp: self.amqp(),
             database: self.database(2),
@@ -461,13 +529,13 @@ impl Cli {
             dead_letter_queue: self.topology.dead_letter_queue.clone(),
             limit: args.limit,
             dry_run: args.dry_run,
-            patience: self.services.startup_timeout,
+            patience: self.services.startup_timeout.0,
         })
     }
 }
 
 /// `250ms`, `30s`, `5m`, `1h`, or a plain number of seconds.
-pub fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
         .find(|c: char| !c.is_ascii_digit() && c != '.')
@@ -508,7 +576,7 @@ mod tests {
     }
 
     #[test]
-    fn durations_parse_with_units() {
+    fn durations_parse_with_units_and_show_as_they_parse() {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
@@ -516,10 +584,14 @@ mod tests {
         assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
         assert!(parse_duration("soon").is_err());
         assert!(parse_duration("5 weeks").is_err());
+        for shown in ["5ms", "1500ms", "30s", "3m", "90s", "2h", "0s"] {
+            let wait: Result<Wait, _> = shown.parse();
+            assert_eq!(wait.map(|w| w.to_string()), Ok(shown.to_owned()));
+        }
     }
 
     #[test]
-    fn defaults_reach_the_local_services_and_the_design_topology() -> Result<(), clap::Error> {
+    fn defaults_reach_the_local_services_and_the_points_topology() -> Result<(), clap::Error> {
         let cli = Cli::try_parse_from(["idem", "worker"])?;
         assert_eq!(
             cli.amqp().url.expose(),
@@ -536,7 +608,60 @@ mod tests {
         let config = cli
             .worker(args)
             .map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, e))?;
-        assert_eq!(config.topology, Topology::default());
+        assert_eq!(config.topology, points::topology());
+        // The library's defaults, unchanged by the CLI.
+        let library = WorkerConfig::new(
+            cli.amqp(),
+            cli.database(1),
+            points::topology(),
+            points::CONSUMER_GROUP,
+        );
+        assert_eq!(
+            (
+                config.prefetch,
+                config.batch_size,
+                config.max_in_flight,
+                config.database.pool_size
+            ),
+            (
+                library.prefetch,
+                library.batch_size,
+                library.max_in_flight,
+                library.database.pool_size
+            )
+        );
+        assert_eq!(
+            (
+                config.batch_wait,
+                config.max_attempts,
+                config.shutdown_timeout,
+                config.startup_timeout
+            ),
+            (
+                library.batch_wait,
+                library.max_attempts,
+                library.shutdown_timeout,
+                library.startup_timeout
+            )
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn per_message_mode_takes_its_own_tuning() -> Result<(), clap::Error> {
+        let cli = Cli::try_parse_from(["idem", "worker", "--mode", "per-message"])?;
+        let Command::Worker(args) = &cli.command else {
+            panic!("parsed as another command");
+        };
+        let config = cli
+            .worker(args)
+            .map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, e))?;
+        let tuning = Mode::PerMessage.tuning();
+        assert_eq!(
+            (config.prefetch, config.batch_size, config.max_in_flight),
+            (tuning.prefetch, tuning.batch_size, tuning.max_in_flight)
+        );
+        assert!(Cli::try_parse_from(["idem", "worker", "--mode", "sometimes"]).is_err());
         Ok(())
     }
 

@@ -1,5 +1,5 @@
-//! The message contract: what a "payment succeeded" event is, and how a body
-//! becomes one or is found invalid.
+//! The points handler's message contract: what a "payment succeeded" event
+//! is, and how a body becomes one or is found invalid.
 //!
 //! Invalid means that retrying cannot help, so the worker dead-letters the
 //! message at once. Validation mirrors the columns the event lands in.
@@ -8,8 +8,8 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-/// Longest `eventId` accepted, in characters: `mq_consume_record.event_id`.
-pub const MAX_EVENT_ID_CHARS: usize = 128;
+use crate::handler::MAX_EVENT_ID_CHARS;
+
 /// Longest `orderId` accepted, in characters: `user_points.order_id`.
 pub const MAX_ORDER_ID_CHARS: usize = 64;
 
@@ -28,14 +28,6 @@ pub struct PaymentSucceeded {
 /// Why a body is not a [`PaymentSucceeded`]. Retrying cannot fix any of these.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InvalidMessage {
-    /// The body is larger than the configured maximum; it was not parsed.
-    #[error("body is {size} bytes, above the limit of {limit} bytes")]
-    TooLarge {
-        /// Size of the body.
-        size: usize,
-        /// The configured maximum.
-        limit: usize,
-    },
     /// The body is not UTF-8, not JSON, not an object, or a field has the wrong type.
     #[error("body is not a payment event: {0}")]
     Malformed(String),
@@ -76,16 +68,10 @@ struct Raw<'a> {
 }
 
 impl PaymentSucceeded {
-    /// Parses and validates a message body of at most `max_body_bytes`.
+    /// Parses and validates a message body.
     ///
     /// Unknown fields are ignored so that producers can evolve.
-    pub fn parse(body: &[u8], max_body_bytes: usize) -> Result<Self, InvalidMessage> {
-        if body.len() > max_body_bytes {
-            return Err(InvalidMessage::TooLarge {
-                size: body.len(),
-                limit: max_body_bytes,
-            });
-        }
+    pub fn parse(body: &[u8]) -> Result<Self, InvalidMessage> {
         // serde would take a JSON array for the struct too.
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             return Err(InvalidMessage::Malformed("not a JSON object".into()));
@@ -157,10 +143,8 @@ fn points(value: Option<serde_json::Number>) -> Result<i64, InvalidMessage> {
 mod tests {
     use super::*;
 
-    const LIMIT: usize = 64 * 1024;
-
     fn parse(body: &str) -> Result<PaymentSucceeded, InvalidMessage> {
-        PaymentSucceeded::parse(body.as_bytes(), LIMIT)
+        PaymentSucceeded::parse(body.as_bytes())
     }
 
     #[test]
@@ -190,7 +174,7 @@ mod tests {
             order_id: "o-1".into(),
             points: 7,
         };
-        assert_eq!(PaymentSucceeded::parse(&event.to_body(), LIMIT), Ok(event));
+        assert_eq!(PaymentSucceeded::parse(&event.to_body()), Ok(event));
     }
 
     #[test]
@@ -241,7 +225,7 @@ mod tests {
                 "{body:?} was not malformed"
             );
         }
-        let not_utf8 = PaymentSucceeded::parse(&[0x7b, 0xff, 0xfe, 0x7d], LIMIT);
+        let not_utf8 = PaymentSucceeded::parse(&[0x7b, 0xff, 0xfe, 0x7d]);
         assert!(matches!(not_utf8, Err(InvalidMessage::Malformed(_))));
     }
 
@@ -268,18 +252,6 @@ mod tests {
         assert_eq!(
             parse(r#"{"eventId":"e\u0000","orderId":"o","points":1}"#),
             Err(InvalidMessage::ControlCharacter("eventId"))
-        );
-    }
-
-    #[test]
-    fn an_oversized_body_is_invalid_without_parsing() {
-        let body = vec![b'{'; 100];
-        assert_eq!(
-            PaymentSucceeded::parse(&body, 10),
-            Err(InvalidMessage::TooLarge {
-                size: 100,
-                limit: 10
-            })
         );
     }
 }

@@ -1,5 +1,6 @@
-//! The `idem` binary: parse flags, set up logging and signals, run one
-//! subcommand, turn its outcome into an exit code.
+//! The `idem` binary: the points worker and its tools. Parse flags, set up
+//! logging and signals, run one subcommand with the points handler, turn its
+//! outcome into an exit code.
 
 use std::process::ExitCode;
 
@@ -10,8 +11,11 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use idem::cli::{Cli, Command};
+mod cli;
+
+use cli::{Cli, Command};
 use idem::commands::{bench, demo, publish, requeue};
+use idem::points::Points;
 use idem::store::migrate;
 use idem::telemetry;
 use idem::worker::Worker;
@@ -75,7 +79,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         Command::Migrate => {
             let database = cli.database(1);
             let pool = database.pool()?;
-            let applied = migrate::run(&pool, database.schema.as_deref())
+            let applied = migrate::run::<Points>(&pool, database.schema.as_deref())
                 .await
                 .with_context(|| format!("migrating {}", database.url))?;
             match applied.as_slice() {
@@ -84,7 +88,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Worker(args) => {
-            Worker::new(cli.worker(args)?).run(shutdown).await?;
+            Worker::new(cli.worker(args)?, Points).run(shutdown).await?;
         }
         Command::Publish(args) => {
             let (config, source) = cli.publish(args)?;
@@ -95,7 +99,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Requeue(args) => {
-            let report = requeue::run(&cli.requeue(args)?, &shutdown).await?;
+            let report = requeue::run(&cli.requeue(args)?, &Points, &shutdown).await?;
             println!("{report}");
             if !report.succeeded() {
                 return Ok(ExitCode::FAILURE);

@@ -1,0 +1,260 @@
+//! The extension point: what a team implements to put its own effect under
+//! idem's guarantees. Everything else (consume records, the failure ledger,
+//! batching, acks, dead-lettering, replay) is idem's.
+//!
+//! A [`Handler`] turns a message body into an event, names the event's
+//! deduplication key, and applies fresh events inside the transaction in
+//! which idem has just recorded them. The trait knows no RabbitMQ; its
+//! effect knows no consume record.
+
+use std::fmt;
+use std::future::Future;
+
+pub use deadpool_postgres::Transaction;
+
+pub use crate::store::FailureKind;
+pub use crate::store::migrate::Migration;
+
+/// Longest deduplication key, in characters: `mq_consume_record.event_id`.
+pub const MAX_EVENT_ID_CHARS: usize = 128;
+
+/// An effect applied once per event and consumer group.
+///
+/// What idem guarantees around each call:
+///
+/// - [`decode`](Handler::decode) sees every body of at most the worker's
+///   body limit (larger ones are invalid without being decoded). An error,
+///   or a panic, makes the message *invalid*: it is dead-lettered at once,
+///   with the reason in one log line, and nothing is applied.
+/// - [`event_id`](Handler::event_id) is checked by idem whatever it
+///   returns: 1 to [`MAX_EVENT_ID_CHARS`] characters, no control characters;
+///   a key that breaks this makes the message invalid. Two events with the
+///   same key are the same event: the second is a duplicate, acked without
+///   effect. Keep the key stable across a producer's retries.
+/// - [`apply`](Handler::apply) runs inside a transaction that idem opened,
+///   in which it has just inserted the consume records of exactly the events
+///   it passes (events recorded before are duplicates and are not passed).
+///   In batch mode the slice holds the batch's fresh events, in event-id
+///   order; in per-message mode, and when a failed batch is retried message
+///   by message, it holds one. After `apply` returns `Ok`, idem clears the
+///   events' failure-ledger rows, commits, and only then acks. On `Err` (or a
+///   panic) everything rolls back, the consume records with the effect, and
+///   the error decides what follows (see [`HandlerError`]). `apply` writes;
+///   it cannot commit or roll back (it gets a reference to the transaction),
+///   and must not end the transaction with SQL of its own.
+/// - [`classify`](Handler::classify) decides, for every PostgreSQL error of
+///   the transaction (the handler's statements, idem's own, the commit),
+///   whether the message failed or the infrastructure did.
+///
+/// Lock rows in a stable order (sort by key) when a batch touches several:
+/// concurrent batches then cannot deadlock. A deadlock is not the message's
+/// fault (it is retried with backoff) but it costs time.
+///
+/// idem's connections run with `plan_cache_mode = force_generic_plan`:
+/// prepared statements are planned once per connection.
+pub trait Handler: Send + Sync + 'static {
+    /// What a body decodes to.
+    type Event: Send + Sync + 'static;
+
+    /// Keys this handler's migration history, and names it in logs: keep it
+    /// stable once deployed. At most 64 characters.
+    const NAME: &'static str;
+
+    /// This handler's schema, oldest first, numbered from 1. `idem migrate`
+    /// (and [`crate::store::migrate::run`]) applies them after idem's own,
+    /// and tracks them apart, so that both can evolve; the worker will not
+    /// start on a database that lacks one of them.
+    const MIGRATIONS: &'static [Migration] = &[];
+
+    /// Decodes a body. An error means the message can never be applied.
+    fn decode(&self, body: &[u8]) -> Result<Self::Event, Invalid>;
+
+    /// The event's deduplication key.
+    fn event_id<'e>(&self, event: &'e Self::Event) -> &'e str;
+
+    /// Applies fresh events inside idem's transaction.
+    fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&Self::Event],
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+
+    /// Whose fault a PostgreSQL error of the transaction is. The default is
+    /// idem's SQLSTATE classification ([`crate::store::classify_sqlstate`]);
+    /// refine it where the handler knows better.
+    fn classify(&self, error: &tokio_postgres::Error) -> FailureKind {
+        crate::store::classify(error)
+    }
+
+    /// An effect simple enough for idem to run inside its own claim
+    /// statement, in one round trip instead of a transaction of several.
+    /// When this returns `Some`, idem runs the tally and does not call
+    /// [`apply`](Handler::apply); `apply` should do the same (usually with
+    /// [`Tally::apply`]). `None` (the default) always calls `apply`.
+    fn tally(&self) -> Option<Tally<Self::Event>> {
+        None
+    }
+}
+
+/// An effect that adds an amount to a counter row per event, creating the
+/// row at that amount when it is missing: `INSERT … ON CONFLICT (key) DO
+/// UPDATE SET amount = amount + EXCLUDED.amount`, summed per key, keys in
+/// order. Described by names, not SQL, so that idem can fold it into its
+/// claim statement.
+pub struct Tally<E> {
+    /// The table; a plain identifier.
+    pub table: &'static str,
+    /// Its key column, unique (the primary key, say).
+    pub key: &'static str,
+    /// The `BIGINT` column the amounts add up in.
+    pub amount: &'static str,
+    /// An event's key and amount.
+    pub entry: fn(&E) -> (&str, i64),
+}
+
+impl<E> Tally<E> {
+    /// The keys and amounts of `events`, as the statement takes them.
+    pub(crate) fn arrays<'e>(&self, events: &[&'e E]) -> (Vec<&'e str>, Vec<i64>) {
+        events.iter().map(|event| (self.entry)(event)).unzip()
+    }
+
+    /// Runs the tally as a statement of `tx`: what idem does in its claim
+    /// statement, for a handler's [`Handler::apply`].
+    pub async fn apply(&self, tx: &Transaction<'_>, events: &[&E]) -> Result<(), HandlerError>
+    where
+        E: Sync,
+    {
+        let (keys, amounts) = self.arrays(events);
+        let statement = tx
+            .prepare_cached(&crate::store::tally_statement(self))
+            .await?;
+        tx.execute(&statement, &[&keys, &amounts]).await?;
+        Ok(())
+    }
+}
+
+impl<E> Clone for Tally<E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Tally<E> {}
+
+impl<E> fmt::Debug for Tally<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tally")
+            .field("table", &self.table)
+            .field("key", &self.key)
+            .field("amount", &self.amount)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a body can never be applied: the message is dead-lettered at once.
+///
+/// Any error converts into it (`serde_json::from_slice(body)?` works in
+/// [`Handler::decode`]); [`Invalid::new`] takes a reason of your own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid(String);
+
+impl Invalid {
+    /// An invalid message, and why.
+    pub fn new(reason: impl fmt::Display) -> Self {
+        Self(reason.to_string())
+    }
+
+    /// Why.
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl<E: std::error::Error> From<E> for Invalid {
+    fn from(error: E) -> Self {
+        Self::new(error)
+    }
+}
+
+/// An error type-erased for [`HandlerError`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why [`Handler::apply`] did not apply. Every variant rolls the transaction
+/// back; they differ in what happens next.
+#[derive(Debug, thiserror::Error)]
+pub enum HandlerError {
+    /// A statement failed: [`Handler::classify`] decides whose fault it is.
+    /// `?` on a `tokio_postgres::Error` gives this.
+    #[error(transparent)]
+    Database(#[from] tokio_postgres::Error),
+    /// This message cannot be applied now (a rule of the business, say): the
+    /// failure is counted in the failure ledger and the message retried,
+    /// then dead-lettered once it has used up its attempts.
+    #[error("{0}")]
+    Message(BoxError),
+    /// Something outside the message failed: the delivery is held and the
+    /// transaction retried with backoff, spending none of its attempts, and
+    /// the worker takes no new work meanwhile. Only for what a wait can fix.
+    #[error("{0}")]
+    Infrastructure(BoxError),
+}
+
+impl HandlerError {
+    /// This message failed, for `reason`.
+    pub fn message(reason: impl Into<BoxError>) -> Self {
+        Self::Message(reason.into())
+    }
+
+    /// The infrastructure failed, with `reason`.
+    pub fn infrastructure(reason: impl Into<BoxError>) -> Self {
+        Self::Infrastructure(reason.into())
+    }
+}
+
+/// idem's own rule for a deduplication key, whatever the handler returns.
+pub(crate) fn check_event_id(event_id: &str) -> Result<(), Invalid> {
+    if event_id.is_empty() {
+        return Err(Invalid::new("the event id is empty"));
+    }
+    if event_id.chars().any(char::is_control) {
+        return Err(Invalid::new("the event id contains a control character"));
+    }
+    let chars = event_id.chars().count();
+    if chars > MAX_EVENT_ID_CHARS {
+        return Err(Invalid::new(format!(
+            "the event id has {chars} characters, above the limit of {MAX_EVENT_ID_CHARS}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_event_id_must_be_one_to_128_characters_without_control_characters() {
+        assert!(check_event_id("payment-success-10001").is_ok());
+        assert!(check_event_id(&"é".repeat(MAX_EVENT_ID_CHARS)).is_ok());
+        assert!(check_event_id("").is_err());
+        assert!(check_event_id("a\u{0}b").is_err());
+        assert!(check_event_id("tab\there").is_err());
+        assert!(check_event_id(&"x".repeat(MAX_EVENT_ID_CHARS + 1)).is_err());
+    }
+
+    #[test]
+    fn any_error_is_an_invalid_message_with_its_text() {
+        let error = serde_json::from_slice::<serde_json::Value>(b"{").err();
+        let invalid = error.map(Invalid::from);
+        assert!(
+            invalid.is_some_and(|invalid| invalid.reason().contains("EOF")),
+            "the reason is the error's text"
+        );
+    }
+}

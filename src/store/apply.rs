@@ -1,0 +1,216 @@
+//! The claim-and-apply transaction: consume records for a batch's events,
+//! the handler's effect for those that went in, and the failure ledger's
+//! rows cleared, all committed together or not at all.
+
+use std::fmt;
+use std::sync::Arc;
+
+use super::{ConfigError, FailureKind, Store, StoreError, claim, describe, is_identifier, ledger};
+use crate::caught;
+use crate::handler::{Handler, HandlerError, Tally};
+
+/// Why a transaction did not commit, and whose fault that is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct Failure {
+    /// Whether the message failed or the infrastructure did.
+    pub kind: FailureKind,
+    /// What went wrong, as the failure ledger keeps it.
+    pub reason: String,
+}
+
+impl From<StoreError> for Failure {
+    fn from(error: StoreError) -> Self {
+        Self {
+            kind: error.kind(),
+            reason: error.to_string(),
+        }
+    }
+}
+
+/// Which events of one transaction went in: their effect was applied now
+/// (the others were applied before, by this consumer group).
+#[derive(Debug, Default)]
+pub struct Claimed<'a> {
+    /// The transaction's distinct event ids, sorted, and whether each went in.
+    ids: Vec<(&'a str, bool)>,
+}
+
+impl<'a> Claimed<'a> {
+    fn new(ids: &[&'a str]) -> Self {
+        Self {
+            ids: ids.iter().map(|id| (*id, false)).collect(),
+        }
+    }
+
+    fn went_in(&mut self, id: &str) {
+        if let Ok(index) = self.ids.binary_search_by(|(known, _)| (*known).cmp(id)) {
+            self.ids[index].1 = true;
+        }
+    }
+
+    fn is_in(&self, id: &str) -> bool {
+        self.ids
+            .binary_search_by(|(known, _)| (*known).cmp(id))
+            .is_ok_and(|index| self.ids[index].1)
+    }
+
+    /// True the first time it is asked about an event that went in:
+    /// a second copy of the same event in the same batch is a duplicate.
+    pub fn take(&mut self, event_id: &str) -> bool {
+        match self.ids.binary_search_by(|(id, _)| (*id).cmp(event_id)) {
+            Ok(index) => std::mem::replace(&mut self.ids[index].1, false),
+            Err(_) => false,
+        }
+    }
+}
+
+/// Runs a handler's effect under idem's consume records, for one consumer
+/// group. Built once per worker: the statements are fixed then.
+pub struct Applier<H: Handler> {
+    store: Store,
+    handler: Arc<H>,
+    /// The handler's tally and the one statement that claims and applies
+    /// it, when the handler has one.
+    tally: Option<(Tally<H::Event>, String)>,
+    /// The claim of the general path.
+    claim: String,
+}
+
+impl<H: Handler> fmt::Debug for Applier<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Applier")
+            .field("handler", &H::NAME)
+            .field("store", &self.store)
+            .field("tally", &self.tally.as_ref().map(|(tally, _)| tally))
+            .finish()
+    }
+}
+
+impl<H: Handler> Applier<H> {
+    /// An applier of `handler` over `store`. A tally whose names are not
+    /// plain identifiers is refused.
+    pub fn new(store: Store, handler: Arc<H>) -> Result<Self, ConfigError> {
+        let tally = match handler.tally() {
+            Some(tally) => {
+                for name in [tally.table, tally.key, tally.amount] {
+                    if !is_identifier(name) {
+                        return Err(ConfigError::Tally {
+                            handler: H::NAME,
+                            name: name.to_owned(),
+                        });
+                    }
+                }
+                Some((tally, claim::claim_and_tally_statement(&tally)))
+            }
+            None => None,
+        };
+        Ok(Self {
+            store,
+            handler,
+            tally,
+            claim: claim::claim_statement(),
+        })
+    }
+
+    /// The handler.
+    pub fn handler(&self) -> &H {
+        &self.handler
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// In one transaction: records each distinct event of `events` for this
+    /// consumer group, applies the effect of those that went in (the others
+    /// were applied before), and clears their failure-ledger rows. Of two
+    /// copies of an event, the first in `events` is the one applied. Returns
+    /// the events that went in. On error nothing is applied: the records
+    /// roll back with the effect.
+    pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
+        let handler = &*self.handler;
+        // Stable: of two copies, the one delivered first wins.
+        let mut distinct: Vec<&'e H::Event> = events.to_vec();
+        distinct.sort_by(|a, b| handler.event_id(a).cmp(handler.event_id(b)));
+        distinct.dedup_by(|a, b| handler.event_id(a) == handler.event_id(b));
+        let ids: Vec<&'e str> = distinct.iter().map(|e| handler.event_id(e)).collect();
+        let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
+        let group = self.store.consumer_group();
+        let database = |error| self.database_failure(&error);
+
+        if let Some((tally, statement)) = &self.tally {
+            let (keys, amounts) = tally.arrays(&distinct);
+            let statement = client.prepare_cached(statement).await.map_err(database)?;
+            let rows = client
+                .query(&statement, &[&ids, &group, &keys, &amounts])
+                .await
+                .map_err(database)?;
+            return claimed(&ids, &rows).map_err(database);
+        }
+
+        let tx = client.transaction().await.map_err(database)?;
+        let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
+        let rows = tx
+            .query(&statement, &[&ids, &group])
+            .await
+            .map_err(database)?;
+        let claimed = claimed(&ids, &rows).map_err(database)?;
+        let fresh: Vec<&H::Event> = distinct
+            .iter()
+            .copied()
+            .filter(|event| claimed.is_in(handler.event_id(event)))
+            .collect();
+        if !fresh.is_empty() {
+            match caught::future(handler.apply(&tx, &fresh)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => return Err(self.handler_failure(error)),
+                Err(panic) => {
+                    return Err(Failure {
+                        kind: FailureKind::Message,
+                        reason: format!("the handler {panic}"),
+                    });
+                }
+            }
+        }
+        // Also proves the transaction alive: a handler that swallowed an
+        // error left it aborted, and COMMIT would roll back without a word.
+        ledger::reset(&tx, &ids, group).await.map_err(database)?;
+        tx.commit().await.map_err(database)?;
+        Ok(claimed)
+    }
+
+    fn database_failure(&self, error: &tokio_postgres::Error) -> Failure {
+        Failure {
+            kind: self.handler.classify(error),
+            reason: describe(error),
+        }
+    }
+
+    fn handler_failure(&self, error: HandlerError) -> Failure {
+        match error {
+            HandlerError::Database(error) => self.database_failure(&error),
+            HandlerError::Message(error) => Failure {
+                kind: FailureKind::Message,
+                reason: error.to_string(),
+            },
+            HandlerError::Infrastructure(error) => Failure {
+                kind: FailureKind::Infrastructure,
+                reason: error.to_string(),
+            },
+        }
+    }
+}
+
+/// The claim's answer: which of `ids` went in.
+fn claimed<'e>(
+    ids: &[&'e str],
+    rows: &[tokio_postgres::Row],
+) -> Result<Claimed<'e>, tokio_postgres::Error> {
+    let mut claimed = Claimed::new(ids);
+    for row in rows {
+        claimed.went_in(row.try_get(0)?);
+    }
+    Ok(claimed)
+}

@@ -1,0 +1,66 @@
+//! The environment variables the `idem` binary reads, in one place: its
+//! flags fall back to them, and whatever starts `idem` as a child process
+//! (the bench, the tests) sets them.
+
+use crate::broker::Topology;
+
+/// `--amqp-url`.
+pub const AMQP_URL: &str = "AMQP_URL";
+/// `--amqp-ca-file`.
+pub const AMQP_CA_FILE: &str = "IDEM_AMQP_CA_FILE";
+/// `--database-url`.
+pub const DATABASE_URL: &str = "DATABASE_URL";
+/// `--database-ca-file`.
+pub const DATABASE_CA_FILE: &str = "IDEM_DATABASE_CA_FILE";
+/// `--schema`.
+pub const SCHEMA: &str = "IDEM_SCHEMA";
+/// `--startup-timeout`.
+pub const STARTUP_TIMEOUT: &str = "IDEM_STARTUP_TIMEOUT";
+/// `--consumer-group`.
+pub const CONSUMER_GROUP: &str = "IDEM_CONSUMER_GROUP";
+/// `--log-format`.
+pub const LOG_FORMAT: &str = "IDEM_LOG_FORMAT";
+/// `--exchange`.
+pub const EXCHANGE: &str = "IDEM_EXCHANGE";
+/// `--routing-key`.
+pub const ROUTING_KEY: &str = "IDEM_ROUTING_KEY";
+/// `--queue`.
+pub const QUEUE: &str = "IDEM_QUEUE";
+/// `--dead-letter-exchange`.
+pub const DEAD_LETTER_EXCHANGE: &str = "IDEM_DEAD_LETTER_EXCHANGE";
+/// `--dead-letter-queue`.
+pub const DEAD_LETTER_QUEUE: &str = "IDEM_DEAD_LETTER_QUEUE";
+/// `--delivery-limit`.
+pub const DELIVERY_LIMIT: &str = "IDEM_DELIVERY_LIMIT";
+/// `worker --max-attempts`.
+pub const MAX_ATTEMPTS: &str = "IDEM_MAX_ATTEMPTS";
+/// `worker --mode`.
+pub const MODE: &str = "IDEM_MODE";
+/// `worker --prefetch`.
+pub const PREFETCH: &str = "IDEM_PREFETCH";
+/// `worker --batch-size`.
+pub const BATCH_SIZE: &str = "IDEM_BATCH_SIZE";
+/// `worker --batch-wait`.
+pub const BATCH_WAIT: &str = "IDEM_BATCH_WAIT";
+/// `worker --max-in-flight`.
+pub const MAX_IN_FLIGHT: &str = "IDEM_MAX_IN_FLIGHT";
+/// `worker --pool-size`.
+pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
+/// `worker --max-body-bytes`.
+pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
+/// `worker --shutdown-timeout`.
+pub const SHUTDOWN_TIMEOUT: &str = "IDEM_SHUTDOWN_TIMEOUT";
+/// `publish --window`.
+pub const CONFIRM_WINDOW: &str = "IDEM_CONFIRM_WINDOW";
+
+/// The variables that point an `idem` child process at `topology`.
+pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
+    vec![
+        (EXCHANGE, topology.exchange.clone()),
+        (ROUTING_KEY, topology.routing_key.clone()),
+        (QUEUE, topology.queue.clone()),
+        (DEAD_LETTER_EXCHANGE, topology.dead_letter_exchange.clone()),
+        (DEAD_LETTER_QUEUE, topology.dead_letter_queue.clone()),
+        (DELIVERY_LIMIT, topology.delivery_limit.to_string()),
+    ]
+}
