@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, Retryable};
+use futures::StreamExt;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::tcp::OwnedTLSConfig;
 use lapin::uri::{AMQPScheme, AMQPUri};
@@ -270,6 +271,21 @@ impl Reconnects {
             () = tokio::time::sleep(wait) => Ok(()),
             () = shutdown.cancelled() => Ok(()),
         }
+    }
+}
+
+/// Resolves, with what went wrong, at the first error of `connection` or of
+/// one of its channels (a lost socket, a channel the broker closed). It
+/// listens from the moment it is called: call it before the work it watches.
+pub fn failure(connection: &Connection) -> impl Future<Output = String> + Send + 'static {
+    let mut events = connection.events_listener();
+    async move {
+        while let Some(event) = events.next().await {
+            if let lapin::Event::Error(error) = event {
+                return error.to_string();
+            }
+        }
+        "the connection closed".to_owned()
     }
 }
 

@@ -8,7 +8,7 @@ mod topology;
 
 pub use connection::{
     AmqpConfig, ConnectError, Reconnects, SessionError, access_refused, close, close_channel,
-    connect, connect_with_retry, first_refusal, refusal,
+    connect, connect_with_retry, failure, first_refusal, refusal,
 };
 pub use publisher::{
     ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, settle,

@@ -128,8 +128,20 @@ impl<H: Handler> Applier<H> {
     /// were applied before), and clears their failure-ledger rows. Of two
     /// copies of an event, the first in `events` is the one applied. Returns
     /// the events that went in. On error nothing is applied: the records
-    /// roll back with the effect.
+    /// roll back with the effect. A panic on the way (in the handler, or in
+    /// idem) is a failure of the message, as any other.
     pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
+        caught::future(self.attempt(events))
+            .await
+            .unwrap_or_else(|panic| {
+                Err(Failure {
+                    kind: FailureKind::Message,
+                    reason: format!("the transaction {panic}"),
+                })
+            })
+    }
+
+    async fn attempt<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
         let handler = &*self.handler;
         // Stable: of two copies, the one delivered first wins.
         let mut distinct: Vec<&'e H::Event> = events.to_vec();
@@ -163,16 +175,10 @@ impl<H: Handler> Applier<H> {
             .filter(|event| claimed.is_in(handler.event_id(event)))
             .collect();
         if !fresh.is_empty() {
-            match caught::future(handler.apply(&tx, &fresh)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(error)) => return Err(self.handler_failure(error)),
-                Err(panic) => {
-                    return Err(Failure {
-                        kind: FailureKind::Message,
-                        reason: format!("the handler {panic}"),
-                    });
-                }
-            }
+            handler
+                .apply(&tx, &fresh)
+                .await
+                .map_err(|error| self.handler_failure(error))?;
         }
         // Also proves the transaction alive: a handler that swallowed an
         // error left it aborted, and COMMIT would roll back without a word.

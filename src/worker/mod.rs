@@ -28,6 +28,7 @@ pub use stats::{Snapshot, Stats};
 
 use crate::broker::{
     AmqpConfig, ConnectError, Topology, TopologyError, close, close_channel, connect_with_retry,
+    failure,
 };
 use crate::caught;
 use crate::handler::Handler;
@@ -309,6 +310,7 @@ async fn session<H: Handler>(
     processor: &Arc<Processor<H>>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, WorkerError> {
+    let lost = failure(connection);
     let channel = match open_channel(connection, config).await {
         Ok(channel) => channel,
         Err(OpenError::Topology(
@@ -323,7 +325,7 @@ async fn session<H: Handler>(
         tokio::time::sleep(config.shutdown_timeout).await;
     };
     let end = tokio::select! {
-        end = consume(config, &channel, processor, shutdown) => end,
+        end = consume(config, &channel, processor, lost, shutdown) => end,
         () = deadline => {
             warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
             SessionEnd::Drained
@@ -335,14 +337,17 @@ async fn session<H: Handler>(
     Ok(end)
 }
 
-/// Consumes and settles on one channel until it fails, or until shutdown
-/// cancels the consumer and everything taken is settled.
+/// Consumes and settles on one channel until it fails (`lost` resolves, or
+/// the consumer errs), or until shutdown cancels the consumer and everything
+/// taken is settled.
 async fn consume<H: Handler>(
     config: &WorkerConfig,
     channel: &Channel,
     processor: &Arc<Processor<H>>,
+    lost: impl Future<Output = String>,
     shutdown: &CancellationToken,
 ) -> SessionEnd {
+    let mut lost = std::pin::pin!(lost);
     let consumer = match channel
         .basic_consume(
             config.topology.queue.as_str().into(),
@@ -376,8 +381,17 @@ async fn consume<H: Handler>(
             Ok(None) => break SessionEnd::Lost("the broker cancelled the consumer".into()),
             Err(error) => break SessionEnd::Lost(error.to_string()),
         };
-        processor.health.wait_up().await;
-        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+        // Waiting for the database, or for a batch to finish, is also
+        // watching the broker: a connection lost meanwhile ends the session
+        // now, not once the database is back.
+        let permit = tokio::select! {
+            permit = async {
+                processor.health.wait_up().await;
+                Arc::clone(&permits).acquire_owned().await
+            } => permit,
+            reason = &mut lost => break SessionEnd::Lost(reason),
+        };
+        let Ok(permit) = permit else {
             unreachable!("the semaphore is never closed");
         };
         let tags: Vec<_> = batch.iter().map(|d| d.delivery_tag).collect();

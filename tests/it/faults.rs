@@ -9,8 +9,8 @@ use std::time::Duration;
 use idem::points::PaymentSucceeded;
 
 use crate::helpers::{
-    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_port, amqp_url, assert_exact,
-    load, patient, wait_for,
+    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_port, amqp_url,
+    assert_exact, load, patient, wait_for,
 };
 use crate::proxy::Proxy;
 use idem::worker::Mode;
@@ -471,6 +471,245 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// What the worker is doing when the broker goes too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum During {
+    /// Holding deliveries it cannot commit.
+    Holding,
+    /// Consuming, with nothing to do.
+    Idle,
+}
+
+/// Which service comes back first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FirstBack {
+    Database,
+    Broker,
+}
+
+/// The database goes, then the broker; both come back, in the given
+/// order. The worker must resume by itself: when the broker went, the
+/// batches holding for the database went with it, and nothing else would
+/// have lifted their hold.
+async fn a_broker_loss_during_a_database_outage(
+    mode: Mode,
+    during: During,
+    first_back: FirstBack,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let broker = Proxy::start(rabbitmq()?).await?;
+    let database = Proxy::start(address(POSTGRES)?).await?;
+    let load = load(&env, sized(mode, 1000), 0.2, 20);
+    let worker =
+        RunningWorker::start(env.worker_config_via(mode, Some(broker.port), Some(database.port)));
+    match during {
+        During::Holding => {
+            env.publish_events(&load).await?;
+            wait_records(&env, (load.len() / 10) as i64, Duration::from_secs(60)).await?;
+            database.sever();
+            wait_for(
+                "the worker to hold its deliveries",
+                Duration::from_secs(20),
+                || async { Ok(worker.stats.snapshot().infrastructure_retries > 0) },
+            )
+            .await?;
+        }
+        During::Idle => {
+            wait_for("the worker to consume", Duration::from_secs(20), || async {
+                Ok(worker.stats.snapshot().sessions >= 1)
+            })
+            .await?;
+            database.sever();
+        }
+    }
+    broker.sever();
+    wait_for(
+        "the worker to lose the broker",
+        Duration::from_secs(20),
+        || async { Ok(worker.stats.snapshot().reconnects >= 1) },
+    )
+    .await?;
+    match first_back {
+        FirstBack::Database => {
+            database.restore();
+            broker.restore();
+        }
+        FirstBack::Broker => {
+            broker.restore();
+            wait_for(
+                "the worker to consume again, without the database",
+                Duration::from_secs(30),
+                || async { Ok(worker.stats.snapshot().sessions >= 2) },
+            )
+            .await?;
+            database.restore();
+        }
+    }
+    if during == During::Idle {
+        env.publish_events(&load).await?;
+    }
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert_exact(&env, &load, &[]).await
+}
+
+async fn a_broker_lost_while_holding_for_the_database_resumes_when_the_database_comes_back_first(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_broker_loss_during_a_database_outage(mode, During::Holding, FirstBack::Database).await
+}
+
+async fn a_broker_lost_while_holding_for_the_database_resumes_when_the_broker_comes_back_first(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_broker_loss_during_a_database_outage(mode, During::Holding, FirstBack::Broker).await
+}
+
+async fn a_broker_lost_while_idle_in_a_database_outage_resumes_when_the_database_comes_back_first(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_broker_loss_during_a_database_outage(mode, During::Idle, FirstBack::Database).await
+}
+
+async fn a_broker_lost_while_idle_in_a_database_outage_resumes_when_the_broker_comes_back_first(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_broker_loss_during_a_database_outage(mode, During::Idle, FirstBack::Broker).await
+}
+
+/// PostgreSQL refusing new connections to a database answers SQLSTATE
+/// 55000, which is no connection class: an error while connecting must
+/// still never count against a message.
+async fn a_database_refusing_new_connections_holds_deliveries_and_dead_letters_nothing(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::in_own_database().await?;
+    let load = load(&env, sized(mode, 2000), 0.2, 20);
+    env.publish_events(&load).await?;
+    let worker = RunningWorker::start(env.worker_config(mode));
+    wait_records(&env, (load.len() / 10) as i64, Duration::from_secs(60)).await?;
+    let admin = admin().await?;
+    let name = env.database_name();
+    admin
+        .batch_execute(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS false"))
+        .await?;
+    // Sessions already open go on working: end them, so that the worker
+    // must connect anew.
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()",
+            &[&name],
+        )
+        .await?;
+    let before = worker.stats.snapshot().infrastructure_retries;
+    wait_for(
+        "the worker to keep trying to connect",
+        Duration::from_secs(30),
+        || async { Ok(worker.stats.snapshot().infrastructure_retries >= before + 5) },
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    let dead = env.ready(&env.topology.dead_letter_queue).await?;
+    admin
+        .batch_execute(&format!("ALTER DATABASE {name} ALLOW_CONNECTIONS true"))
+        .await?;
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (0, 0),
+        "nothing returned or dead-lettered while refused: {stats:?}"
+    );
+    assert_eq!(dead, 0, "nothing dead-lettered");
+
+    wait_applied(&env, &load, Duration::from_secs(90)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert_exact(&env, &load, &[]).await
+}
+
+/// A failure is counted in the ledger before the message goes back: when
+/// the ledger will not take it, the message has not used an attempt, so
+/// it is held as in an outage. Returned uncounted, it would come back at
+/// once, again and again, until the broker's delivery limit dead-lettered
+/// a message that idem never gave up on.
+async fn a_failure_the_ledger_cannot_take_holds_its_delivery_instead_of_returning_it(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    env.sql(
+        "CREATE FUNCTION ledger_refuses() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'the ledger takes nothing today'; END $$;
+         CREATE TRIGGER ledger_refuses BEFORE INSERT OR UPDATE ON mq_failure_ledger
+             FOR EACH ROW EXECUTE FUNCTION ledger_refuses();",
+    )
+    .await?;
+    let poison = PaymentSucceeded {
+        event_id: format!("{}-poison", env.name),
+        order_id: "poison-order".into(),
+        points: 1,
+    };
+    let good = load(&env, 300, 0.1, 5);
+    let mut messages = good.clone();
+    messages.insert(100, poison.clone());
+    env.publish_events(&messages).await?;
+
+    let worker = RunningWorker::start(env.worker_config(mode));
+    wait_for(
+        "the worker to hold the failure it cannot count",
+        Duration::from_secs(30),
+        || async { Ok(worker.stats.snapshot().infrastructure_retries >= 5) },
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (0, 0),
+        "returned uncounted: {stats:?}"
+    );
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    assert_eq!(
+        env.count_rows("mq_failure_ledger").await?,
+        0,
+        "nothing could be counted"
+    );
+
+    env.sql("DROP TRIGGER ledger_refuses ON mq_failure_ledger")
+        .await?;
+    wait_applied(&env, &good, Duration::from_secs(60)).await?;
+    wait_for(
+        "the poison message in the dead-letter queue",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.retried, stats.dead_lettered), (4, 1), "{stats:?}");
+    assert_exact(&env, &good, &[poison.to_body()]).await?;
+    let letters = env.dead_letters().await?;
+    let death = letters[0]
+        .death()
+        .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+    assert_eq!(
+        death.reason, "rejected",
+        "dead-lettered by idem after its attempts, not by the broker's limit"
+    );
+    let client = env.pool.get().await?;
+    let failures: i32 = client
+        .query_one(
+            "SELECT failures FROM mq_failure_ledger WHERE event_id = $1",
+            &[&poison.event_id],
+        )
+        .await?
+        .get(0);
+    assert_eq!(failures, 5);
+    Ok(())
+}
+
 in_both_modes!(
     killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice,
     severing_the_broker_connection_three_times_loses_nothing,
@@ -479,4 +718,10 @@ in_both_modes!(
     a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_workers_are_killed,
     three_workers_killed_and_restarted_at_random_apply_twenty_thousand_events_exactly,
     a_worker_started_before_its_services_answer_connects_once_they_do,
+    a_broker_lost_while_holding_for_the_database_resumes_when_the_database_comes_back_first,
+    a_broker_lost_while_holding_for_the_database_resumes_when_the_broker_comes_back_first,
+    a_broker_lost_while_idle_in_a_database_outage_resumes_when_the_database_comes_back_first,
+    a_broker_lost_while_idle_in_a_database_outage_resumes_when_the_broker_comes_back_first,
+    a_database_refusing_new_connections_holds_deliveries_and_dead_letters_nothing,
+    a_failure_the_ledger_cannot_take_holds_its_delivery_instead_of_returning_it,
 );

@@ -69,7 +69,7 @@ pub struct Vhost(pub String);
 impl Vhost {
     /// A name, swept with the rest if this process dies; nothing created yet.
     pub fn named() -> Self {
-        Self(format!("{}{:08x}", process_prefix(), fastrand::u32(..)))
+        Self(unique_name())
     }
 
     /// A new vhost on which `guest` has these configure, write and read
@@ -109,6 +109,12 @@ fn process_prefix() -> String {
     format!("idem_t{}_", std::process::id())
 }
 
+/// A name for a test's own objects, `idem_t<pid>_<random>`: swept with the
+/// rest if this process dies.
+pub fn unique_name() -> String {
+    format!("{}{:08x}", process_prefix(), fastrand::u32(..))
+}
+
 /// A test's own schema, topology and connections; removed on drop.
 pub struct TestEnv {
     /// Unique name of this test's objects: `idem_t<pid>_<random>`.
@@ -121,17 +127,40 @@ pub struct TestEnv {
     pub pool: Pool,
     /// Extra queues and exchanges a test declared, removed on drop too.
     extra_queues: std::sync::Mutex<Vec<String>>,
+    /// A database of this test's own, when it has one (it is dropped with
+    /// the test); otherwise the schema lives in `postgres`.
+    own_database: Option<String>,
 }
 
 impl TestEnv {
     /// A migrated schema and a declared topology, both new.
     pub async fn new() -> anyhow::Result<Self> {
+        Self::create(None).await
+    }
+
+    /// As [`TestEnv::new`], in a database of the test's own: for tests that
+    /// change what a database allows.
+    pub async fn in_own_database() -> anyhow::Result<Self> {
         sweep_leftovers_once();
-        let name = format!("{}{:08x}", process_prefix(), fastrand::u32(..));
+        let database = unique_name();
+        let client = admin().await?;
+        client
+            .batch_execute(&format!("CREATE DATABASE {database}"))
+            .await?;
+        Self::create(Some(database)).await
+    }
+
+    async fn create(own_database: Option<String>) -> anyhow::Result<Self> {
+        sweep_leftovers_once();
+        let name = unique_name();
         let schema = name.clone();
+        let url = match &own_database {
+            Some(database) => format!("postgres://postgres@127.0.0.1:5432/{database}"),
+            None => DATABASE_URL.to_owned(),
+        };
         let database = DatabaseConfig {
             connect_timeout: patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT),
-            ..DatabaseConfig::new(SecretUrl::new(DATABASE_URL)).with_schema(&schema)
+            ..DatabaseConfig::new(SecretUrl::new(url)).with_schema(&schema)
         };
         let pool = database.pool()?;
         migrate::run::<idem::points::Points>(&pool, Some(&schema)).await?;
@@ -145,9 +174,15 @@ impl TestEnv {
             database,
             pool,
             extra_queues: Default::default(),
+            own_database,
         };
         env.declare(&env.topology).await?;
         Ok(env)
+    }
+
+    /// The database this test's schema lives in.
+    pub fn database_name(&self) -> &str {
+        self.own_database.as_deref().unwrap_or("postgres")
     }
 
     /// Declares `topology` (as the worker would), and removes it on drop.
@@ -197,7 +232,8 @@ impl TestEnv {
     /// `application_name` so that its sessions can be found.
     pub fn database_url_via(&self, port: u16) -> String {
         format!(
-            "postgres://postgres@127.0.0.1:{port}/postgres?application_name={}",
+            "postgres://postgres@127.0.0.1:{port}/{}?application_name={}",
+            self.database_name(),
             self.name
         )
     }
@@ -277,6 +313,12 @@ impl TestEnv {
         Ok(client.query_one(query, params).await?.get(0))
     }
 
+    /// Rows of `table`, in this test's schema.
+    pub async fn count_rows(&self, table: &str) -> anyhow::Result<i64> {
+        self.count(&format!("SELECT count(*) FROM {table}"), &[])
+            .await
+    }
+
     /// Consume records of `group` (all events).
     pub async fn records(&self, group: &str) -> anyhow::Result<i64> {
         self.count(
@@ -320,12 +362,7 @@ impl TestEnv {
 
     /// Messages ready in `queue` (not counting those delivered and unacked).
     pub async fn ready(&self, queue: &str) -> anyhow::Result<u32> {
-        let connection = self.connect().await?;
-        let channel = connection.create_channel().await?;
-        let ready = idem::broker::ready_messages(&channel, queue).await;
-        channel.close(200, "OK".into()).await?;
-        connection.close(200, "OK".into()).await?;
-        Ok(ready?)
+        ready(&self.amqp, queue).await
     }
 
     /// The messages in the dead-letter queue, left in place.
@@ -335,36 +372,8 @@ impl TestEnv {
 
     /// The messages ready in `queue`, left in place.
     pub async fn peek(&self, queue: &str) -> anyhow::Result<Vec<DeadLetter>> {
-        let connection = self.connect().await?;
-        let channel = connection.create_channel().await?;
-        let mut letters = Vec::new();
-        let mut last = None;
-        while let Some(message) = channel
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?
-        {
-            last = Some(message.delivery.delivery_tag);
-            letters.push(DeadLetter {
-                body: message.delivery.data.clone(),
-                properties: message.delivery.properties.clone(),
-            });
-        }
-        if let Some(tag) = last {
-            channel
-                .basic_nack(
-                    tag,
-                    BasicNackOptions {
-                        multiple: true,
-                        requeue: true,
-                    },
-                )
-                .await?;
-        }
-        channel.close(200, "OK".into()).await?;
-        connection.close(200, "OK".into()).await?;
-        Ok(letters)
+        peek(&self.amqp, queue).await
     }
-
     /// Runs SQL in this test's schema.
     pub async fn sql(&self, statements: &str) -> anyhow::Result<()> {
         let client = self.pool.get().await?;
@@ -404,6 +413,49 @@ impl TestEnv {
     }
 }
 
+/// Messages ready in `queue` of `amqp`'s vhost (not counting those
+/// delivered and unacked).
+pub async fn ready(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<u32> {
+    let connection = connect(amqp, "idem test").await?;
+    let channel = connection.create_channel().await?;
+    let ready = idem::broker::ready_messages(&channel, queue).await;
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    Ok(ready?)
+}
+
+/// The messages ready in `queue` of `amqp`'s vhost, left in place.
+pub async fn peek(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<Vec<DeadLetter>> {
+    let connection = connect(amqp, "idem test").await?;
+    let channel = connection.create_channel().await?;
+    let mut letters = Vec::new();
+    let mut last = None;
+    while let Some(message) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await?
+    {
+        last = Some(message.delivery.delivery_tag);
+        letters.push(DeadLetter {
+            body: message.delivery.data.clone(),
+            properties: message.delivery.properties.clone(),
+        });
+    }
+    if let Some(tag) = last {
+        channel
+            .basic_nack(
+                tag,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await?;
+    }
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    Ok(letters)
+}
+
 /// A message read from the dead-letter queue.
 #[derive(Debug)]
 pub struct DeadLetter {
@@ -433,13 +485,17 @@ impl Drop for TestEnv {
             self.topology.exchange.clone(),
             self.topology.dead_letter_exchange.clone(),
         ];
-        let schema = self.schema.clone();
+        // A database of the test's own goes with its schema in it.
+        let (schemas, databases) = match &self.own_database {
+            Some(database) => (vec![], vec![database.clone()]),
+            None => (vec![self.schema.clone()], vec![]),
+        };
         // Drop runs inside the test's runtime: clean up on a thread of its own.
         let cleanup = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            runtime.block_on(remove(queues, exchanges, vec![schema]))
+            runtime.block_on(remove(queues, exchanges, schemas, databases))
         });
         if let Ok(Err(error)) = cleanup.join() {
             eprintln!("test cleanup failed: {error:#}");
@@ -447,10 +503,19 @@ impl Drop for TestEnv {
     }
 }
 
+/// A client of the `postgres` database, for what a test does as an
+/// administrator (creating and dropping databases, say).
+pub async fn admin() -> anyhow::Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
 async fn remove(
     queues: Vec<String>,
     exchanges: Vec<String>,
     schemas: Vec<String>,
+    databases: Vec<String>,
 ) -> anyhow::Result<()> {
     if !queues.is_empty() || !exchanges.is_empty() {
         let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
@@ -469,13 +534,16 @@ async fn remove(
         channel.close(200, "OK".into()).await?;
         connection.close(200, "OK".into()).await?;
     }
-    if !schemas.is_empty() {
-        let (client, connection) =
-            tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
-        tokio::spawn(connection);
+    if !schemas.is_empty() || !databases.is_empty() {
+        let client = admin().await?;
         for schema in schemas {
             client
                 .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                .await?;
+        }
+        for database in databases {
+            client
+                .batch_execute(&format!("DROP DATABASE IF EXISTS {database} WITH (FORCE)"))
                 .await?;
         }
     }
@@ -562,11 +630,20 @@ async fn sweep() -> anyhow::Result<()> {
         .map(|r| r.get::<_, String>(0))
         .filter(|n| is_orphan(n))
         .collect();
+    let databases: Vec<String> = client
+        .query(
+            "SELECT datname::text FROM pg_database WHERE datname LIKE 'idem\\_t%'",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .filter(|n| is_orphan(n))
+        .collect();
     drop(client);
-    remove(queues, exchanges, schemas).await
+    remove(queues, exchanges, schemas, databases).await
 }
 
-/// Waits until `condition` holds, checking every 25 ms, for at most `timeout`.
 /// How much slower than a quiet machine this run may be: `IDEM_TEST_SLACK`
 /// (a factor, 1 unless set; `.ci/run` sets more, for a shared machine whose
 /// speed can drop tenfold). Every deadline of the suite is `patient(d)`.
@@ -760,14 +837,22 @@ impl WorkerProcess {
         database_url: &str,
         args: &[&str],
     ) -> anyhow::Result<Self> {
-        let log = std::env::temp_dir().join(format!("{}-{:08x}.log", env.name, fastrand::u32(..)));
-        let file = std::fs::File::create(&log)?;
-        let child = idem_command(env, amqp_url, database_url)
-            .env("RUST_LOG", "info")
+        let mut command = idem_command(env, amqp_url, database_url);
+        command
             .args(["worker", "--mode", mode.as_flag()])
-            .args(args)
+            .args(args);
+        Self::start(command)
+    }
+
+    /// Starts `command` (a worker), logging at `info` to a file of its own.
+    pub fn start(mut command: tokio::process::Command) -> anyhow::Result<Self> {
+        let log = std::env::temp_dir().join(format!("{}.log", unique_name()));
+        let file = std::fs::File::create(&log)?;
+        let child = command
+            .env("RUST_LOG", "info")
             .stdout(std::process::Stdio::null())
             .stderr(file)
+            .kill_on_drop(true)
             .spawn()?;
         Ok(Self { child, log })
     }

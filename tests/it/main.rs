@@ -1,5 +1,6 @@
 //! Integration tests against the RabbitMQ and PostgreSQL running on this
-//! machine. Each test has its own schema and its own exchanges and queues.
+//! machine. Each test has its own schema (or database) and its own exchanges
+//! and queues (or vhost).
 
 #![allow(unreachable_pub, missing_docs)]
 
@@ -26,8 +27,11 @@ mod binary;
 mod dead_letters;
 mod definitions;
 mod faults;
+mod handlers;
 mod helpers;
 mod idempotency;
+mod migrations;
 mod proxy;
 mod publishing;
+mod stock;
 mod tls;

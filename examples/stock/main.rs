@@ -1,0 +1,203 @@
+//! A second handler, to show what a team writes to put its own effect under
+//! idem's guarantees: stock reservations.
+//!
+//! `{"eventId": "reservation-1", "sku": "SKU-1", "quantity": 2}` takes two
+//! units of SKU-1 off `stock.available`, once however often it arrives. A
+//! reservation that would oversell breaks the table's `CHECK (available >=
+//! 0)`: its transaction fails, it is retried and then dead-lettered, while
+//! the others apply. A reservation for a SKU the table does not know fails
+//! the same way, by the handler's own rule.
+//!
+//! ```sh
+//! cargo run --example stock -- migrate    # idem's tables and `stock`
+//! cargo run --example stock -- worker     # until SIGINT/SIGTERM
+//! cargo run --example stock -- requeue    # replay its dead letters
+//! ```
+//!
+//! It reads `AMQP_URL`, `DATABASE_URL`, `IDEM_SCHEMA` and `IDEM_MODE`, as
+//! `idem` does; everything else is idem's defaults.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use serde::Deserialize;
+use tokio_util::sync::CancellationToken;
+
+use idem::broker::{AmqpConfig, Topology};
+use idem::commands::requeue::{self, RequeueConfig};
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::secret::SecretUrl;
+use idem::store::{DatabaseConfig, migrate};
+use idem::telemetry::{self, LogFormat};
+use idem::vars;
+use idem::worker::{Mode, Worker, WorkerConfig};
+
+/// A reservation of `quantity` units of `sku`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Reservation {
+    event_id: String,
+    sku: String,
+    quantity: i64,
+}
+
+/// Takes reserved units off the stock.
+struct Stock;
+
+/// Every SKU's reservations of a batch at once, SKUs in order (so that
+/// concurrent batches lock rows in one order). `$1` SKUs, `$2` quantities.
+const RESERVE: &str = "\
+    UPDATE stock SET available = stock.available - wanted.quantity \
+    FROM unnest($1::varchar[], $2::bigint[]) AS wanted(sku, quantity) \
+    WHERE stock.sku = wanted.sku";
+
+impl Handler for Stock {
+    type Event = Reservation;
+
+    const NAME: &'static str = "stock";
+
+    const MIGRATIONS: &'static [Migration] = &[Migration {
+        version: 1,
+        name: "0001_stock.sql",
+        sql: include_str!("0001_stock.sql"),
+    }];
+
+    fn decode(&self, body: &[u8]) -> Result<Reservation, Invalid> {
+        let reservation: Reservation = serde_json::from_slice(body)?;
+        if reservation.sku.trim().is_empty() || reservation.sku.chars().count() > 64 {
+            return Err(Invalid::new("sku must be 1 to 64 characters"));
+        }
+        if reservation.quantity <= 0 {
+            return Err(Invalid::new("quantity must be positive"));
+        }
+        Ok(reservation)
+    }
+
+    fn event_id<'e>(&self, reservation: &'e Reservation) -> &'e str {
+        &reservation.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        reservations: &[&Reservation],
+    ) -> Result<(), HandlerError> {
+        let mut wanted: BTreeMap<&str, i64> = BTreeMap::new();
+        for reservation in reservations {
+            *wanted.entry(&reservation.sku).or_default() += reservation.quantity;
+        }
+        let (skus, quantities): (Vec<&str>, Vec<i64>) = wanted.into_iter().unzip();
+        let reserve = tx.prepare_cached(RESERVE).await?;
+        // An oversold SKU breaks the CHECK here: SQLSTATE 23514, a failure
+        // of the message by idem's classification.
+        let updated = tx.execute(&reserve, &[&skus, &quantities]).await?;
+        if updated != skus.len() as u64 {
+            return Err(HandlerError::message(format!(
+                "no such SKU among {}",
+                skus.join(", ")
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The exchange inventory events go to, and this consumer group's queues.
+fn topology() -> Topology {
+    Topology::new(
+        "inventory",
+        "stock.reserve",
+        "stock.reservations",
+        "stock.dlx",
+        "stock.reservations.dlq",
+    )
+}
+
+const CONSUMER_GROUP: &str = "stock-reservations";
+
+fn setting(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+fn config() -> anyhow::Result<WorkerConfig> {
+    let amqp = AmqpConfig::new(SecretUrl::new(setting(
+        vars::AMQP_URL,
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+    )));
+    let mut database = DatabaseConfig::new(SecretUrl::new(setting(
+        vars::DATABASE_URL,
+        "postgres://postgres@127.0.0.1:5432/postgres",
+    )));
+    if let Ok(schema) = std::env::var(vars::SCHEMA) {
+        database = database.with_schema(schema);
+    }
+    let mode: Mode = setting(vars::MODE, Mode::Batch.as_flag())
+        .parse()
+        .map_err(anyhow::Error::msg)
+        .context(vars::MODE)?;
+    Ok(WorkerConfig::new(amqp, database, topology(), CONSUMER_GROUP).with_mode(mode))
+}
+
+async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let config = config()?;
+    match command {
+        "migrate" => {
+            let pool = config.database.pool()?;
+            let applied = migrate::run::<Stock>(&pool, config.database.schema.as_deref()).await?;
+            println!("migrations: applied {}", applied.join(", "));
+        }
+        "worker" => Worker::new(config, Stock).run(shutdown).await?,
+        "requeue" => {
+            let requeue = RequeueConfig {
+                amqp: config.amqp,
+                database: config.database,
+                consumer_group: config.consumer_group,
+                dead_letter_queue: config.topology.dead_letter_queue,
+                limit: None,
+                dry_run: false,
+                patience: config.startup_timeout,
+            };
+            println!("{}", requeue::run(&requeue, &Stock, &shutdown).await?);
+        }
+        other => anyhow::bail!("unknown command {other:?}: migrate, worker or requeue"),
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    telemetry::init("info,lapin=off", LogFormat::Text);
+    let command = std::env::args().nth(1).unwrap_or_default();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("stock: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        let cancel = shutdown.clone();
+        tokio::spawn(async move {
+            let Ok(mut terminate) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
+            }
+            cancel.cancel();
+        });
+        match run(&command, shutdown).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("stock: {error:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}

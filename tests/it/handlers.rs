@@ -1,0 +1,125 @@
+//! What a handler can do wrong, and what idem makes of it: the failure stays
+//! with the one message it belongs to, the others apply, and the worker
+//! goes on.
+
+use std::time::Duration;
+
+use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+use idem::points::{PaymentSucceeded, Points};
+use idem::worker::Mode;
+
+use crate::helpers::{RunningWorker, TestEnv, assert_exact, load, wait_for};
+
+/// What goes wrong on the chosen event.
+#[derive(Debug, Clone, Copy)]
+enum Flaw {
+    /// `apply` panics.
+    Panics,
+    /// `apply` ignores a failed statement and returns `Ok`: the
+    /// transaction is aborted, and a commit would roll it back without a word.
+    SwallowsAnError,
+}
+
+/// The points effect, through the general path (no tally), with a flaw on
+/// one event.
+struct Flawed {
+    chosen: String,
+    flaw: Flaw,
+}
+
+impl Handler for Flawed {
+    type Event = PaymentSucceeded;
+
+    const NAME: &'static str = "points";
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        &event.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+    ) -> Result<(), HandlerError> {
+        Points.apply(tx, events).await?;
+        if events.iter().any(|event| event.event_id == self.chosen) {
+            match self.flaw {
+                Flaw::Panics => panic!("the flawed handler panics on {}", self.chosen),
+                Flaw::SwallowsAnError => {
+                    let _ = tx.execute("SELECT 1 / 0", &[]).await;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn a_flawed_handler(mode: Mode, flaw: Flaw, last_error: &str) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let good = load(&env, 600, 0.1, 10);
+    let chosen = PaymentSucceeded {
+        event_id: format!("{}-chosen", env.name),
+        order_id: "chosen-order".into(),
+        points: 1,
+    };
+    let mut messages = good.clone();
+    messages.insert(300, chosen.clone());
+    env.publish_events(&messages).await?;
+
+    let handler = Flawed {
+        chosen: chosen.event_id.clone(),
+        flaw,
+    };
+    let worker = RunningWorker::start_with(env.worker_config(mode), handler);
+    worker
+        .wait_finished(messages.len() as u64, Duration::from_secs(60))
+        .await?;
+    wait_for(
+        "the chosen event in the dead-letter queue",
+        Duration::from_secs(20),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+
+    assert_exact(&env, &good, &[chosen.to_body()]).await?;
+    assert_eq!((stats.retried, stats.dead_lettered), (4, 1), "{stats:?}");
+    let client = env.pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT failures, last_error FROM mq_failure_ledger WHERE event_id = $1",
+            &[&chosen.event_id],
+        )
+        .await?;
+    let (failures, error): (i32, String) = (row.get(0), row.get(1));
+    assert_eq!(failures, 5, "counted as any failure of the message");
+    assert!(error.contains(last_error), "{error}");
+    Ok(())
+}
+
+async fn a_handler_that_panics_on_one_event_fails_that_event_alone(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_flawed_handler(mode, Flaw::Panics, "panicked: the flawed handler panics on").await
+}
+
+async fn a_handler_that_swallows_an_error_cannot_commit_its_events_away(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_flawed_handler(
+        mode,
+        Flaw::SwallowsAnError,
+        "current transaction is aborted",
+    )
+    .await
+}
+
+in_both_modes!(
+    a_handler_that_panics_on_one_event_fails_that_event_alone,
+    a_handler_that_swallows_an_error_cannot_commit_its_events_away,
+);

@@ -1,0 +1,282 @@
+//! idem's migrations and each handler's, tracked apart; and databases
+//! migrated before handlers had migrations of their own.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::points::{PaymentSucceeded, Points};
+use idem::store::migrate::{self, MIGRATIONS, MigrateError};
+use idem::store::{DatabaseConfig, ReadyError, Store};
+use idem::worker::Mode;
+
+use crate::helpers::{GROUP, RunningWorker, TestEnv};
+
+/// A schema beside `env`'s, removed when the test ends however it ends.
+struct Schema {
+    name: String,
+    pool: deadpool_postgres::Pool,
+}
+
+impl Schema {
+    fn beside(env: &TestEnv, suffix: &str) -> anyhow::Result<Self> {
+        let name = format!("{}_{suffix}", env.schema);
+        let pool = DatabaseConfig {
+            schema: Some(name.clone()),
+            ..env.database.clone()
+        }
+        .pool()?;
+        Ok(Self { name, pool })
+    }
+
+    async fn sql(&self, statements: &str) -> anyhow::Result<()> {
+        self.pool.get().await?.batch_execute(statements).await?;
+        Ok(())
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            runtime.block_on(async {
+                crate::helpers::admin()
+                    .await?
+                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
+                    .await?;
+                anyhow::Ok(())
+            })
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keeping_its_data()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let old = Schema::beside(&env, "old")?;
+    // What idem's migrate left before handlers had migrations: its first
+    // two migrations, the first of which created user_points.
+    old.sql(&format!(
+        "CREATE SCHEMA {name};
+         CREATE TABLE {name}.idem_schema_migrations (
+             version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
+        name = old.name
+    ))
+    .await?;
+    for migration in &MIGRATIONS[..2] {
+        old.sql(migration.sql).await?;
+        old.sql(&format!(
+            "INSERT INTO idem_schema_migrations (version, name) VALUES ({}, '{}')",
+            migration.version, migration.name
+        ))
+        .await?;
+    }
+    old.sql(&format!(
+        "INSERT INTO user_points VALUES ('order-1', 100);
+         INSERT INTO mq_consume_record (event_id, consumer_group) VALUES ('{}-1', '{GROUP}');",
+        env.name
+    ))
+    .await?;
+
+    // This idem's worker will not start on it before `idem migrate`.
+    let store = Store::new(old.pool.clone(), GROUP);
+    let refused = store
+        .wait_until_ready::<Points>(Duration::from_secs(5), &CancellationToken::new())
+        .await;
+    match refused {
+        Err(error @ ReadyError::NotMigrated { .. }) => {
+            let line = error.to_string();
+            assert!(
+                line.contains("migration 2 of idem, this idem needs 3")
+                    && line.contains("run `idem migrate` first"),
+                "{line}"
+            );
+        }
+        other => anyhow::bail!("expected NotMigrated, got {other:?}"),
+    }
+
+    let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    assert_eq!(
+        applied,
+        vec!["0003_handler_migrations.sql", "points/0001_user_points.sql"]
+    );
+    assert_eq!(
+        migrate::run::<Points>(&old.pool, Some(&old.name)).await?,
+        Vec::<String>::new()
+    );
+
+    // Its data is where it was, and the worker goes on from it.
+    let first = PaymentSucceeded {
+        event_id: format!("{}-1", env.name),
+        order_id: "order-1".into(),
+        points: 100,
+    };
+    let second = PaymentSucceeded {
+        event_id: format!("{}-2", env.name),
+        order_id: "order-1".into(),
+        points: 5,
+    };
+    env.publish_events(&[first, second]).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.database.schema = Some(old.name.clone());
+    let worker = RunningWorker::start(config);
+    worker.wait_finished(2, Duration::from_secs(20)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (1, 1));
+    let points: i64 = old
+        .pool
+        .get()
+        .await?
+        .query_one(
+            "SELECT points FROM user_points WHERE order_id = 'order-1'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(points, 105);
+    Ok(())
+}
+
+/// A handler with migrations of its own, in two versions of its code.
+struct Notes<const VERSIONS: usize>;
+
+const NOTES: [Migration; 3] = [
+    Migration {
+        version: 1,
+        name: "0001_notes.sql",
+        sql: "CREATE TABLE notes (id TEXT PRIMARY KEY)",
+    },
+    Migration {
+        version: 2,
+        name: "0002_note_text.sql",
+        sql: "ALTER TABLE notes ADD COLUMN text TEXT",
+    },
+    Migration {
+        version: 3,
+        name: "0003_note_author.sql",
+        sql: "ALTER TABLE notes ADD COLUMN author TEXT",
+    },
+];
+
+impl<const VERSIONS: usize> Handler for Notes<VERSIONS> {
+    type Event = String;
+
+    const NAME: &'static str = "notes";
+
+    const MIGRATIONS: &'static [Migration] = NOTES.split_at(VERSIONS).0;
+
+    fn decode(&self, body: &[u8]) -> Result<String, Invalid> {
+        Ok(String::from_utf8(body.to_vec())?)
+    }
+
+    fn event_id<'e>(&self, event: &'e String) -> &'e str {
+        event
+    }
+
+    async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let schema = Some(env.schema.as_str());
+    assert_eq!(
+        migrate::run::<Notes<2>>(&env.pool, schema).await?,
+        vec!["notes/0001_notes.sql", "notes/0002_note_text.sql"],
+        "idem's own are applied already; the handler's are new"
+    );
+    let client = env.pool.get().await?;
+    let histories: Vec<(String, i32)> = client
+        .query(
+            "SELECT handler::text, version FROM idem_handler_migrations ORDER BY 1, 2",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(
+        histories,
+        vec![
+            ("notes".to_owned(), 1),
+            ("notes".to_owned(), 2),
+            ("points".to_owned(), 1)
+        ]
+    );
+
+    // A newer build of the handler needs its third: the worker says so.
+    let store = Store::new(env.pool.clone(), GROUP);
+    let refused = store
+        .wait_until_ready::<Notes<3>>(Duration::from_secs(5), &CancellationToken::new())
+        .await
+        .err()
+        .map(|error| error.to_string())
+        .unwrap_or_default();
+    assert!(
+        refused.contains("migration 2 of handler notes, this idem needs 3"),
+        "{refused}"
+    );
+    assert_eq!(
+        migrate::run::<Notes<3>>(&env.pool, schema).await?,
+        vec!["notes/0003_note_author.sql"]
+    );
+    store
+        .wait_until_ready::<Notes<3>>(Duration::from_secs(5), &CancellationToken::new())
+        .await?;
+    Ok(())
+}
+
+/// Migrations numbered with a gap: a mistake in a handler's code.
+struct Gapped;
+
+impl Handler for Gapped {
+    type Event = String;
+
+    const NAME: &'static str = "gapped";
+
+    const MIGRATIONS: &'static [Migration] = &[NOTES[0], NOTES[2]];
+
+    fn decode(&self, body: &[u8]) -> Result<String, Invalid> {
+        Ok(String::from_utf8(body.to_vec())?)
+    }
+
+    fn event_id<'e>(&self, event: &'e String) -> &'e str {
+        event
+    }
+
+    async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_whose_migrations_skip_a_number_is_refused_before_anything_runs()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    match migrate::run::<Gapped>(&env.pool, Some(&env.schema)).await {
+        Err(error @ MigrateError::Handler { .. }) => {
+            assert!(error.to_string().contains("expected 2"), "{error}");
+        }
+        other => anyhow::bail!("expected a refusal, got {other:?}"),
+    }
+    let client = env.pool.get().await?;
+    let gapped: i64 = client
+        .query_one(
+            "SELECT count(*) FROM idem_handler_migrations WHERE handler = 'gapped'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(gapped, 0);
+    Ok(())
+}
