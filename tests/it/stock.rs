@@ -34,7 +34,9 @@ fn topology() -> Topology {
 
 const GROUP: &str = "stock-reservations";
 
-/// The example's binary, which `cargo test` builds beside this test binary.
+/// The example's binary, which `cargo test` builds beside this test binary
+/// (`cargo test --test it` does not: a binary older than its sources would
+/// test old code, so it is refused).
 fn stock_binary() -> anyhow::Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let target = exe
@@ -42,12 +44,33 @@ fn stock_binary() -> anyhow::Result<PathBuf> {
         .and_then(|deps| deps.parent())
         .context("no target directory above the test binary")?;
     let binary = target.join("examples").join("stock");
+    let rebuild = "`cargo test` builds it, as does `cargo build --examples`";
+    let built = std::fs::metadata(&binary)
+        .and_then(|meta| meta.modified())
+        .with_context(|| format!("{} is missing: {rebuild}", binary.display()))?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = newest(&root.join("src"))?.max(newest(&root.join("examples/stock"))?);
     ensure!(
-        binary.is_file(),
-        "{} is missing: `cargo test` builds it, as does `cargo build --examples`",
+        built >= sources,
+        "{} is older than its sources: {rebuild}",
         binary.display()
     );
     Ok(binary)
+}
+
+/// When the newest file under `dir` was last changed.
+fn newest(dir: &std::path::Path) -> anyhow::Result<std::time::SystemTime> {
+    let mut latest = std::time::SystemTime::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let changed = if entry.file_type()?.is_dir() {
+            newest(&entry.path())?
+        } else {
+            entry.metadata()?.modified()?
+        };
+        latest = latest.max(changed);
+    }
+    Ok(latest)
 }
 
 /// A reservation as a producer sends it.
