@@ -11,6 +11,7 @@ pub use event::{InvalidMessage, MAX_ORDER_ID_CHARS, PaymentSucceeded};
 
 use crate::broker::Topology;
 use crate::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction};
+use crate::store::apply_tally;
 
 /// Exchange producers publish payment events to.
 pub const EXCHANGE: &str = "payments";
@@ -76,7 +77,7 @@ impl Handler for Points {
         tx: &Transaction<'_>,
         events: &[&PaymentSucceeded],
     ) -> Result<(), HandlerError> {
-        POINTS.apply(tx, events).await
+        apply_tally(tx, &POINTS, events).await
     }
 
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {

@@ -5,9 +5,9 @@
 use std::fmt;
 use std::sync::Arc;
 
-use super::{ConfigError, FailureKind, Store, StoreError, claim, describe, is_identifier, ledger};
+use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
-use crate::handler::{Handler, HandlerError, Tally};
+use crate::handler::{FailureKind, Handler, HandlerError, Tally, Transaction};
 
 /// Why a transaction did not commit, and whose fault that is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -153,7 +153,7 @@ impl<H: Handler> Applier<H> {
         let database = |error| self.database_failure(&error);
 
         if let Some((tally, statement)) = &self.tally {
-            let (keys, amounts) = tally.arrays(&distinct);
+            let (keys, amounts) = tally.entries(&distinct);
             let statement = client.prepare_cached(statement).await.map_err(database)?;
             let rows = client
                 .query(&statement, &[&ids, &group, &keys, &amounts])
@@ -207,6 +207,20 @@ impl<H: Handler> Applier<H> {
             },
         }
     }
+}
+
+/// Runs `tally` as a statement of `tx`: what idem does in its claim
+/// statement, for a tally handler's [`Handler::apply`]. Its names must be
+/// plain identifiers (a worker checks them at start).
+pub async fn apply_tally<E: Sync>(
+    tx: &Transaction<'_>,
+    tally: &Tally<E>,
+    events: &[&E],
+) -> Result<(), HandlerError> {
+    let (keys, amounts) = tally.entries(events);
+    let statement = tx.prepare_cached(&claim::tally_statement(tally)).await?;
+    tx.execute(&statement, &[&keys, &amounts]).await?;
+    Ok(())
 }
 
 /// The claim's answer: which of `ids` went in.

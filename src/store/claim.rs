@@ -50,7 +50,7 @@ pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
 }
 
 /// A [`Tally`]'s effect alone, inside a transaction: `$1` keys, `$2` amounts.
-pub(crate) fn tally_statement<E>(tally: &Tally<E>) -> String {
+pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
     let Tally {
         table, key, amount, ..
     } = tally;

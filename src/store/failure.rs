@@ -1,10 +1,10 @@
-//! Which failures are the message's fault and which are the database's.
-//!
-//! The one place that decides it: a message failure spends the message's retry
-//! budget, an infrastructure failure must never do so.
+//! What went wrong talking to PostgreSQL, and whose fault that is by
+//! idem's classification ([`crate::handler::classify`]).
 
 use deadpool_postgres::PoolError;
 use tokio_postgres::error::SqlState;
+
+use crate::handler::{FailureKind, classify};
 
 /// Something went wrong talking to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
@@ -23,18 +23,6 @@ impl From<PoolError> for StoreError {
     fn from(error: PoolError) -> Self {
         StoreError::Pool(error)
     }
-}
-
-/// Whose fault a failure is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
-    /// Retrying this message is unlikely to help soon (a constraint, a
-    /// trigger, a value out of range): it counts against its retry budget.
-    Message,
-    /// The database is unreachable, restarting, overloaded, misconfigured or
-    /// lost a race (serialization, deadlock): not the message's fault, so
-    /// the worker holds the delivery and retries with backoff.
-    Infrastructure,
 }
 
 impl StoreError {
@@ -73,45 +61,6 @@ impl StoreError {
     }
 }
 
-/// Classifies a PostgreSQL error by its SQLSTATE; one without (the socket
-/// broke, the connection closed) is the infrastructure's.
-pub fn classify(error: &tokio_postgres::Error) -> FailureKind {
-    match error.code() {
-        Some(code) => classify_sqlstate(code),
-        // No SQLSTATE: the socket broke, the connection closed, a timeout.
-        None => FailureKind::Infrastructure,
-    }
-}
-
-/// Classifies a SQLSTATE; see the PostgreSQL manual's appendix A.
-pub fn classify_sqlstate(code: &SqlState) -> FailureKind {
-    let code = code.code();
-    let class = &code[..2.min(code.len())];
-    let infrastructure = match class {
-        // connection exception; insufficient resources (disk full, too many
-        // connections); operator intervention (admin shutdown, crash
-        // shutdown, cannot connect now, query canceled); system error.
-        "08" | "53" | "57" | "58" => true,
-        // serialization failure, deadlock, statement completion unknown.
-        "40" => code != "40002",
-        // undefined table, missing privilege, syntax: the schema or the
-        // grants are wrong, which an operator fixes, not a retry budget.
-        "42" => true,
-        // invalid authorization, database or schema does not exist.
-        "28" | "3D" | "3F" => true,
-        // lock not available, object in use.
-        "55" => code == "55P03" || code == "55006",
-        // read-only transaction: we are talking to a standby after failover.
-        "25" => code == "25006",
-        _ => false,
-    };
-    if infrastructure {
-        FailureKind::Infrastructure
-    } else {
-        FailureKind::Message
-    }
-}
-
 fn describe_pool(error: &PoolError) -> String {
     match error {
         PoolError::Backend(error) => describe(error),
@@ -128,71 +77,5 @@ pub(crate) fn describe(error: &tokio_postgres::Error) -> String {
             Some(source) => format!("{error}: {source}"),
             None => error.to_string(),
         },
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use FailureKind::{Infrastructure, Message};
-
-    fn kind(code: &str) -> FailureKind {
-        classify_sqlstate(&SqlState::from_code(code))
-    }
-
-    #[test]
-    fn a_raised_exception_or_broken_constraint_is_the_message_failing() {
-        assert_eq!(kind("P0001"), Message, "RAISE EXCEPTION in a trigger");
-        assert_eq!(kind("23505"), Message, "unique violation");
-        assert_eq!(kind("23514"), Message, "check violation");
-        assert_eq!(kind("22003"), Message, "numeric value out of range");
-        assert_eq!(kind("22021"), Message, "bad byte sequence for encoding");
-        assert_eq!(kind("40002"), Message, "integrity violation at commit");
-        assert_eq!(kind("XX000"), Message, "internal error");
-    }
-
-    #[test]
-    fn an_unreachable_or_restarting_database_is_infrastructure() {
-        assert_eq!(kind("08006"), Infrastructure, "connection failure");
-        assert_eq!(kind("08001"), Infrastructure, "cannot establish connection");
-        assert_eq!(
-            kind("57P01"),
-            Infrastructure,
-            "admin shutdown (pg_terminate_backend)"
-        );
-        assert_eq!(kind("57P02"), Infrastructure, "crash shutdown");
-        assert_eq!(
-            kind("57P03"),
-            Infrastructure,
-            "cannot connect now (starting up)"
-        );
-        assert_eq!(kind("57014"), Infrastructure, "query canceled");
-        assert_eq!(kind("58030"), Infrastructure, "io error");
-    }
-
-    #[test]
-    fn an_overloaded_database_is_infrastructure() {
-        assert_eq!(kind("53300"), Infrastructure, "too many connections");
-        assert_eq!(kind("53100"), Infrastructure, "disk full");
-        assert_eq!(kind("55P03"), Infrastructure, "lock not available");
-    }
-
-    #[test]
-    fn lost_races_are_infrastructure() {
-        assert_eq!(kind("40001"), Infrastructure, "serialization failure");
-        assert_eq!(kind("40P01"), Infrastructure, "deadlock detected");
-    }
-
-    #[test]
-    fn a_misconfigured_database_is_infrastructure() {
-        assert_eq!(
-            kind("42P01"),
-            Infrastructure,
-            "undefined table: not migrated"
-        );
-        assert_eq!(kind("42501"), Infrastructure, "insufficient privilege");
-        assert_eq!(kind("28P01"), Infrastructure, "wrong password");
-        assert_eq!(kind("3D000"), Infrastructure, "database does not exist");
-        assert_eq!(kind("25006"), Infrastructure, "read-only: a standby");
     }
 }

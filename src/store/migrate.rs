@@ -6,18 +6,7 @@
 use deadpool_postgres::{Pool, Transaction};
 
 use super::StoreError;
-use crate::handler::Handler;
-
-/// One migration: a file of `sql/`, or of a handler.
-#[derive(Debug, Clone, Copy)]
-pub struct Migration {
-    /// Order of application, from 1; the number the file name starts with.
-    pub version: i32,
-    /// The file name, for the record.
-    pub name: &'static str,
-    /// The statements.
-    pub sql: &'static str,
-}
+use crate::handler::{Handler, Migration};
 
 macro_rules! migration {
     ($version:literal, $name:literal) => {

@@ -22,11 +22,10 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-pub use apply::{Applier, Claimed, Failure};
+pub use apply::{Applier, Claimed, Failure, apply_tally};
 pub use claim::claim_and_tally_statement;
-pub(crate) use claim::tally_statement;
+pub use failure::StoreError;
 pub(crate) use failure::describe;
-pub use failure::{FailureKind, StoreError, classify, classify_sqlstate};
 pub use ledger::LedgerEntry;
 
 use crate::handler::Handler;

@@ -20,8 +20,8 @@ use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
 use crate::caught;
-use crate::handler::{Handler, Invalid, check_event_id};
-use crate::store::{Applier, Failure, FailureKind, Store};
+use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
+use crate::store::{Applier, Failure, Store};
 
 /// A delivery whose body is a valid event.
 struct Item<E> {

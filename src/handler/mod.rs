@@ -7,13 +7,14 @@
 //! which idem has just recorded them. The trait knows no RabbitMQ; its
 //! effect knows no consume record.
 
+mod failure;
+
 use std::fmt;
 use std::future::Future;
 
 pub use deadpool_postgres::Transaction;
 
-pub use crate::store::FailureKind;
-pub use crate::store::migrate::Migration;
+pub use failure::{FailureKind, classify, classify_sqlstate};
 
 /// Longest deduplication key, in characters: `mq_consume_record.event_id`.
 pub const MAX_EVENT_ID_CHARS: usize = 128;
@@ -80,17 +81,17 @@ pub trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
     /// Whose fault a PostgreSQL error of the transaction is. The default is
-    /// idem's SQLSTATE classification ([`crate::store::classify_sqlstate`]);
-    /// refine it where the handler knows better.
+    /// idem's SQLSTATE classification ([`classify_sqlstate`]); refine it
+    /// where the handler knows better.
     fn classify(&self, error: &tokio_postgres::Error) -> FailureKind {
-        crate::store::classify(error)
+        classify(error)
     }
 
     /// An effect simple enough for idem to run inside its own claim
     /// statement, in one round trip instead of a transaction of several.
     /// When this returns `Some`, idem runs the tally and does not call
     /// [`apply`](Handler::apply); `apply` should do the same (usually with
-    /// [`Tally::apply`]). `None` (the default) always calls `apply`.
+    /// `idem::store::apply_tally`). `None` (the default) always calls `apply`.
     fn tally(&self) -> Option<Tally<Self::Event>> {
         None
     }
@@ -113,23 +114,9 @@ pub struct Tally<E> {
 }
 
 impl<E> Tally<E> {
-    /// The keys and amounts of `events`, as the statement takes them.
-    pub(crate) fn arrays<'e>(&self, events: &[&'e E]) -> (Vec<&'e str>, Vec<i64>) {
+    /// The keys and amounts of `events`, index for index.
+    pub fn entries<'e>(&self, events: &[&'e E]) -> (Vec<&'e str>, Vec<i64>) {
         events.iter().map(|event| (self.entry)(event)).unzip()
-    }
-
-    /// Runs the tally as a statement of `tx`: what idem does in its claim
-    /// statement, for a handler's [`Handler::apply`].
-    pub async fn apply(&self, tx: &Transaction<'_>, events: &[&E]) -> Result<(), HandlerError>
-    where
-        E: Sync,
-    {
-        let (keys, amounts) = self.arrays(events);
-        let statement = tx
-            .prepare_cached(&crate::store::tally_statement(self))
-            .await?;
-        tx.execute(&statement, &[&keys, &amounts]).await?;
-        Ok(())
     }
 }
 
@@ -180,6 +167,17 @@ impl<E: std::error::Error> From<E> for Invalid {
     fn from(error: E) -> Self {
         Self::new(error)
     }
+}
+
+/// One migration: a file of idem's `sql/`, or of a handler.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// Order of application, from 1; the number the file name starts with.
+    pub version: i32,
+    /// The file name, for the record.
+    pub name: &'static str,
+    /// The statements.
+    pub sql: &'static str,
 }
 
 /// An error type-erased for [`HandlerError`].
