@@ -119,6 +119,9 @@ pub struct BenchReport {
     pub rounds: BTreeMap<&'static str, Vec<Measurement>>,
     /// pgbench's transactions per second at 16 clients, per round.
     pub pgbench_tps: Vec<f64>,
+    /// The same transaction as the general path runs it (five statements
+    /// instead of the tally's one), per round.
+    pub pgbench_general_tps: Vec<f64>,
 }
 
 const CEILING: &str = "1 ceiling (ack multiple, no database)";
@@ -218,9 +221,13 @@ impl Bench<'_> {
             }
             if config.pgbench {
                 bench.reset().await?;
-                let tps = bench.pgbench().await?;
+                let tps = bench.pgbench(&pgbench_script()).await?;
                 eprintln!("  pgbench      {tps:>9.0} tps");
                 report.pgbench_tps.push(tps);
+                bench.reset().await?;
+                let tps = bench.pgbench(&pgbench_general_script()).await?;
+                eprintln!("  pgbench, general path {tps:>9.0} tps");
+                report.pgbench_general_tps.push(tps);
             }
         }
         Ok(report)
@@ -557,11 +564,11 @@ impl<'a> Bench<'a> {
         Ok(())
     }
 
-    /// pgbench at 16 clients for 10 s running per-message mode's
-    /// transaction on fresh event ids, in the bench's schema.
-    async fn pgbench(&self) -> anyhow::Result<f64> {
+    /// pgbench at 16 clients for 10 s running `transaction` (a pgbench
+    /// script) on fresh event ids, in the bench's schema.
+    async fn pgbench(&self, transaction: &str) -> anyhow::Result<f64> {
         let script = std::env::temp_dir().join(format!("{}.sql", self.schema));
-        std::fs::write(&script, pgbench_script())?;
+        std::fs::write(&script, transaction)?;
         let output = tokio::process::Command::new("pgbench")
             .env("PGOPTIONS", format!("-c search_path={}", self.schema))
             .args([
@@ -594,17 +601,41 @@ impl<'a> Bench<'a> {
     }
 }
 
+/// The first lines of a pgbench script: a fresh event id, a random order.
+const PGBENCH_VARIABLES: &str =
+    "\\set event random(1, 1000000000000)\n\\set order random(1, :orders)\n";
+/// One event, one order and 7 points, as the statements' parameters.
+const PGBENCH_EVENT_IDS: &str = "ARRAY['pgbench-' || :event]::varchar[]";
+const PGBENCH_GROUP: &str = "'pgbench'";
+const PGBENCH_ORDERS: &str = "ARRAY['order-' || :order]::varchar[]";
+const PGBENCH_POINTS: &str = "ARRAY[7]::bigint[]";
+
 /// Per-message mode's transaction, as pgbench runs it: idem's own claim
-/// statement for the points tally with one event, on a fresh event id and a
-/// random order.
+/// statement for the points tally with one event.
 fn pgbench_script() -> String {
     let tally = Points.tally().unwrap_or(points::POINTS);
     let statement = crate::store::claim_and_tally_statement(&tally)
-        .replace("$1::varchar[]", "ARRAY['pgbench-' || :event]::varchar[]")
-        .replace("$2", "'pgbench'")
-        .replace("$3::varchar[]", "ARRAY['order-' || :order]::varchar[]")
-        .replace("$4::bigint[]", "ARRAY[7]::bigint[]");
-    format!("\\set event random(1, 1000000000000)\n\\set order random(1, :orders)\n{statement};\n")
+        .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
+        .replace("$2", PGBENCH_GROUP)
+        .replace("$3::varchar[]", PGBENCH_ORDERS)
+        .replace("$4::bigint[]", PGBENCH_POINTS);
+    format!("{PGBENCH_VARIABLES}{statement};\n")
+}
+
+/// The same work as the general path does it, for a handler without a
+/// tally: BEGIN, the claim, the effect, the ledger clear, COMMIT.
+fn pgbench_general_script() -> String {
+    let [claim, effect, clear] = crate::store::general_path_statements(&points::POINTS);
+    let claim = claim
+        .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
+        .replace("$2", PGBENCH_GROUP);
+    let effect = effect
+        .replace("$2::bigint[]", PGBENCH_POINTS)
+        .replace("$1::varchar[]", PGBENCH_ORDERS);
+    let clear = clear
+        .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
+        .replace("$2", PGBENCH_GROUP);
+    format!("{PGBENCH_VARIABLES}BEGIN;\n{claim};\n{effect};\n{clear};\nCOMMIT;\n")
 }
 
 /// Reads queue depths over one channel, so that polling costs the broker
@@ -825,6 +856,15 @@ impl fmt::Display for BenchReport {
             writeln!(
                 f,
                 "pgbench, per-message transaction, 16 clients: {tps:.0} tps; per-message mode / pgbench: {times:.2} ×"
+            )?;
+        }
+        if let (Some(tps), Some(times)) = (
+            median(self.pgbench_general_tps.iter().copied()),
+            ratio(&self.pgbench_general_tps, &self.pgbench_tps),
+        ) {
+            writeln!(
+                f,
+                "pgbench, the same as the general path's five statements: {tps:.0} tps, {times:.2} × the tally's one"
             )?;
         }
         let rounds = self.rounds.values().map(Vec::len).max().unwrap_or(0);

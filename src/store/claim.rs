@@ -64,6 +64,18 @@ pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
     )
 }
 
+/// The statements of the general path for a tally's effect, in order
+/// (inside BEGIN … COMMIT): the claim (`$1` event ids, `$2` the group), the
+/// effect (`$1` keys, `$2` amounts), the ledger clear (as the claim). For
+/// tools that measure it (`idem bench --pgbench`).
+pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
+    [
+        claim_statement(),
+        tally_statement(tally),
+        ledger::RESET.to_owned(),
+    ]
+}
+
 /// Rows are updated in key order, so that concurrent batches cannot
 /// deadlock on each other's rows.
 fn upsert<E>(tally: &Tally<E>) -> String {

@@ -44,7 +44,7 @@ const ENTRY: &str = "\
     SELECT failures, first_failed_at, last_failed_at, last_error FROM mq_failure_ledger \
     WHERE event_id = $1 AND consumer_group = $2";
 
-const RESET: &str = "\
+pub(super) const RESET: &str = "\
     DELETE FROM mq_failure_ledger WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
 
 /// Counts one more failure of `event_id`; returns the count.

@@ -24,6 +24,7 @@ use tracing::warn;
 
 pub use apply::{Applier, Claimed, Failure, apply_tally};
 pub use claim::claim_and_tally_statement;
+pub(crate) use claim::general_path_statements;
 pub use failure::StoreError;
 pub(crate) use failure::describe;
 pub use ledger::LedgerEntry;

@@ -160,6 +160,7 @@ impl WorkerConfig {
             database,
             topology,
             consumer_group: consumer_group.into(),
+            // These three are the mode's: `with_mode` sets them.
             prefetch: 0,
             batch_size: 0,
             batch_wait: Self::DEFAULT_BATCH_WAIT,

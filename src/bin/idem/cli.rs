@@ -665,6 +665,37 @@ mod tests {
         Ok(())
     }
 
+    /// The help states the per-mode defaults in words; they are the library's.
+    #[test]
+    fn the_help_states_the_defaults_of_each_mode() {
+        let command = Cli::command();
+        let worker = command
+            .find_subcommand("worker")
+            .cloned()
+            .unwrap_or_default();
+        let help = |flag: &str| {
+            worker
+                .get_arguments()
+                .find(|arg| arg.get_long() == Some(flag))
+                .and_then(|arg| arg.get_help().map(ToString::to_string))
+                .unwrap_or_default()
+        };
+        let (batch, per_message) = (Mode::Batch.tuning(), Mode::PerMessage.tuning());
+        assert!(
+            help("prefetch").contains(&format!(
+                "{} in batch mode, {} per message",
+                batch.prefetch, per_message.prefetch
+            )),
+            "{}",
+            help("prefetch")
+        );
+        assert!(help("batch-size").contains(&format!("[default: {}]", batch.batch_size)));
+        assert!(help("max-in-flight").contains(&format!(
+            "{} in batch mode, {} per message",
+            batch.max_in_flight, per_message.max_in_flight
+        )));
+    }
+
     #[test]
     fn publish_needs_exactly_one_source() {
         assert!(Cli::try_parse_from(["idem", "publish"]).is_err());
