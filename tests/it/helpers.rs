@@ -266,20 +266,7 @@ impl TestEnv {
 
     /// Publishes raw bodies to this environment's exchange, with confirms.
     pub async fn publish_bodies(&self, bodies: &[Vec<u8>]) -> anyhow::Result<PublishReport> {
-        let messages: Vec<Outgoing> = bodies
-            .iter()
-            .map(|body| self.topology.event(body.clone()))
-            .collect();
-        let options = PublishOptions {
-            window: 500,
-            patience: patient(Duration::from_secs(10)),
-        };
-        let report =
-            publish_all(&self.amqp, &messages, &options, &CancellationToken::new()).await?;
-        if !report.all_confirmed() {
-            bail!("test publish not confirmed: {report:?}");
-        }
-        Ok(report)
+        publish(&self.amqp, &self.topology, bodies).await
     }
 
     /// Points of `order_id`, 0 when it has none.
@@ -413,6 +400,28 @@ impl TestEnv {
     }
 }
 
+/// Publishes `bodies` to `topology`'s exchange with its routing key, with
+/// confirms; fails unless every one is confirmed.
+pub async fn publish(
+    amqp: &AmqpConfig,
+    topology: &Topology,
+    bodies: &[Vec<u8>],
+) -> anyhow::Result<PublishReport> {
+    let messages: Vec<Outgoing> = bodies
+        .iter()
+        .map(|body| topology.event(body.clone()))
+        .collect();
+    let options = PublishOptions {
+        window: 500,
+        patience: patient(Duration::from_secs(10)),
+    };
+    let report = publish_all(amqp, &messages, &options, &CancellationToken::new()).await?;
+    if !report.all_confirmed() {
+        bail!("test publish not confirmed: {report:?}");
+    }
+    Ok(report)
+}
+
 /// Messages ready in `queue` of `amqp`'s vhost (not counting those
 /// delivered and unacked).
 pub async fn ready(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<u32> {
@@ -490,17 +499,28 @@ impl Drop for TestEnv {
             Some(database) => (vec![], vec![database.clone()]),
             None => (vec![self.schema.clone()], vec![]),
         };
-        // Drop runs inside the test's runtime: clean up on a thread of its own.
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(remove(queues, exchanges, schemas, databases))
-        });
-        if let Ok(Err(error)) = cleanup.join() {
-            eprintln!("test cleanup failed: {error:#}");
-        }
+        clean_up(remove(queues, exchanges, schemas, databases));
     }
+}
+
+/// Runs `cleanup` to its end on a thread and runtime of its own: a `Drop`
+/// runs inside the test's runtime, which cannot block on it.
+pub fn clean_up(cleanup: impl Future<Output = anyhow::Result<()>> + Send + 'static) {
+    let done = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?
+            .block_on(cleanup)
+    })
+    .join();
+    if let Ok(Err(error)) = done {
+        eprintln!("test cleanup failed: {error:#}");
+    }
+}
+
+/// Removes `schema` and all it holds.
+pub async fn drop_schema(schema: String) -> anyhow::Result<()> {
+    remove(vec![], vec![], vec![schema], vec![]).await
 }
 
 /// A client of the `postgres` database, for what a test does as an
@@ -620,26 +640,24 @@ async fn sweep() -> anyhow::Result<()> {
     }
     let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
-    let schemas: Vec<String> = client
-        .query(
-            "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_t%'",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get::<_, String>(0))
-        .filter(|n| is_orphan(n))
-        .collect();
-    let databases: Vec<String> = client
-        .query(
-            "SELECT datname::text FROM pg_database WHERE datname LIKE 'idem\\_t%'",
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get::<_, String>(0))
-        .filter(|n| is_orphan(n))
-        .collect();
+    let orphans = |query: &'static str| {
+        let client = &client;
+        async move {
+            anyhow::Ok(
+                client
+                    .query(query, &[])
+                    .await?
+                    .iter()
+                    .map(|r| r.get::<_, String>(0))
+                    .filter(|n| is_orphan(n))
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    let schemas =
+        orphans("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_t%'").await?;
+    let databases =
+        orphans("SELECT datname::text FROM pg_database WHERE datname LIKE 'idem\\_t%'").await?;
     drop(client);
     remove(queues, exchanges, schemas, databases).await
 }

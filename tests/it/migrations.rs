@@ -38,20 +38,7 @@ impl Schema {
 
 impl Drop for Schema {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                crate::helpers::admin()
-                    .await?
-                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
-                    .await?;
-                anyhow::Ok(())
-            })
-        })
-        .join();
+        crate::helpers::clean_up(crate::helpers::drop_schema(self.name.clone()));
     }
 }
 
@@ -145,33 +132,43 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
     Ok(())
 }
 
-/// A handler with migrations of its own, in two versions of its code.
-struct Notes<const VERSIONS: usize>;
+/// A handler with migrations of its own: `Notes<N>` is a build of it that
+/// knows the migration list `NOTES[N]`.
+struct Notes<const N: usize>;
 
-const NOTES: [Migration; 3] = [
-    Migration {
-        version: 1,
-        name: "0001_notes.sql",
-        sql: "CREATE TABLE notes (id TEXT PRIMARY KEY)",
-    },
-    Migration {
-        version: 2,
-        name: "0002_note_text.sql",
-        sql: "ALTER TABLE notes ADD COLUMN text TEXT",
-    },
-    Migration {
-        version: 3,
-        name: "0003_note_author.sql",
-        sql: "ALTER TABLE notes ADD COLUMN author TEXT",
-    },
+const NOTE_TABLE: Migration = Migration {
+    version: 1,
+    name: "0001_notes.sql",
+    sql: "CREATE TABLE notes (id TEXT PRIMARY KEY)",
+};
+const NOTE_TEXT: Migration = Migration {
+    version: 2,
+    name: "0002_note_text.sql",
+    sql: "ALTER TABLE notes ADD COLUMN text TEXT",
+};
+const NOTE_AUTHOR: Migration = Migration {
+    version: 3,
+    name: "0003_note_author.sql",
+    sql: "ALTER TABLE notes ADD COLUMN author TEXT",
+};
+
+/// The builds: with two migrations, with three, and one whose list skips
+/// a number (a mistake in its code).
+const NOTES: [&[Migration]; 3] = [
+    &[NOTE_TABLE, NOTE_TEXT],
+    &[NOTE_TABLE, NOTE_TEXT, NOTE_AUTHOR],
+    &[NOTE_TABLE, NOTE_AUTHOR],
 ];
+const TWO: usize = 0;
+const THREE: usize = 1;
+const GAPPED: usize = 2;
 
-impl<const VERSIONS: usize> Handler for Notes<VERSIONS> {
+impl<const N: usize> Handler for Notes<N> {
     type Event = String;
 
     const NAME: &'static str = "notes";
 
-    const MIGRATIONS: &'static [Migration] = NOTES.split_at(VERSIONS).0;
+    const MIGRATIONS: &'static [Migration] = NOTES[N];
 
     fn decode(&self, body: &[u8]) -> Result<String, Invalid> {
         Ok(String::from_utf8(body.to_vec())?)
@@ -191,7 +188,7 @@ async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()>
     let env = TestEnv::new().await?;
     let schema = Some(env.schema.as_str());
     assert_eq!(
-        migrate::run::<Notes<2>>(&env.pool, schema).await?,
+        migrate::run::<Notes<TWO>>(&env.pool, schema).await?,
         vec!["notes/0001_notes.sql", "notes/0002_note_text.sql"],
         "idem's own are applied already; the handler's are new"
     );
@@ -217,7 +214,7 @@ async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()>
     // A newer build of the handler needs its third: the worker says so.
     let store = Store::new(env.pool.clone(), GROUP);
     let refused = store
-        .wait_until_ready::<Notes<3>>(Duration::from_secs(5), &CancellationToken::new())
+        .wait_until_ready::<Notes<THREE>>(Duration::from_secs(5), &CancellationToken::new())
         .await
         .err()
         .map(|error| error.to_string())
@@ -227,56 +224,33 @@ async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()>
         "{refused}"
     );
     assert_eq!(
-        migrate::run::<Notes<3>>(&env.pool, schema).await?,
+        migrate::run::<Notes<THREE>>(&env.pool, schema).await?,
         vec!["notes/0003_note_author.sql"]
     );
     store
-        .wait_until_ready::<Notes<3>>(Duration::from_secs(5), &CancellationToken::new())
+        .wait_until_ready::<Notes<THREE>>(Duration::from_secs(5), &CancellationToken::new())
         .await?;
     Ok(())
-}
-
-/// Migrations numbered with a gap: a mistake in a handler's code.
-struct Gapped;
-
-impl Handler for Gapped {
-    type Event = String;
-
-    const NAME: &'static str = "gapped";
-
-    const MIGRATIONS: &'static [Migration] = &[NOTES[0], NOTES[2]];
-
-    fn decode(&self, body: &[u8]) -> Result<String, Invalid> {
-        Ok(String::from_utf8(body.to_vec())?)
-    }
-
-    fn event_id<'e>(&self, event: &'e String) -> &'e str {
-        event
-    }
-
-    async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> {
-        Ok(())
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_whose_migrations_skip_a_number_is_refused_before_anything_runs()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    match migrate::run::<Gapped>(&env.pool, Some(&env.schema)).await {
+    match migrate::run::<Notes<GAPPED>>(&env.pool, Some(&env.schema)).await {
         Err(error @ MigrateError::Handler { .. }) => {
             assert!(error.to_string().contains("expected 2"), "{error}");
         }
         other => anyhow::bail!("expected a refusal, got {other:?}"),
     }
     let client = env.pool.get().await?;
-    let gapped: i64 = client
+    let notes: i64 = client
         .query_one(
-            "SELECT count(*) FROM idem_handler_migrations WHERE handler = 'gapped'",
+            "SELECT count(*) FROM idem_handler_migrations WHERE handler = 'notes'",
             &[],
         )
         .await?
         .get(0);
-    assert_eq!(gapped, 0);
+    assert_eq!(notes, 0, "not even its first migration was applied");
     Ok(())
 }

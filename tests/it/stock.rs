@@ -8,16 +8,16 @@ use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use deadpool_postgres::Pool;
-use tokio_util::sync::CancellationToken;
 
-use idem::broker::{AmqpConfig, Outgoing, PublishOptions, Topology, connect, publish_all};
+use idem::broker::{AmqpConfig, Topology, connect};
 use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 use idem::vars;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, Vhost, WorkerProcess, admin, patient, peek, ready, unique_name, wait_for,
+    DATABASE_URL, Vhost, WorkerProcess, clean_up, drop_schema, peek, publish, ready, unique_name,
+    wait_for,
 };
 use crate::proxy::Proxy;
 
@@ -175,18 +175,7 @@ impl StockEnv {
     }
 
     async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
-        let topology = topology();
-        let messages: Vec<Outgoing> = bodies
-            .iter()
-            .map(|body| Outgoing::json(&topology.exchange, &topology.routing_key, body.clone()))
-            .collect();
-        let options = PublishOptions {
-            window: 500,
-            patience: patient(Duration::from_secs(10)),
-        };
-        let report =
-            publish_all(&self.amqp, &messages, &options, &CancellationToken::new()).await?;
-        ensure!(report.all_confirmed(), "not confirmed: {report:?}");
+        publish(&self.amqp, &topology(), bodies).await?;
         Ok(())
     }
 
@@ -269,20 +258,7 @@ impl StockEnv {
 
 impl Drop for StockEnv {
     fn drop(&mut self) {
-        let schema = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            runtime.block_on(async {
-                admin()
-                    .await?
-                    .batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
-                    .await?;
-                anyhow::Ok(())
-            })
-        })
-        .join();
+        clean_up(drop_schema(self.name.clone()));
     }
 }
 
