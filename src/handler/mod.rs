@@ -43,9 +43,9 @@ pub const MAX_EVENT_ID_CHARS: usize = 128;
 ///   the error decides what follows (see [`HandlerError`]). `apply` writes;
 ///   it cannot commit or roll back (it gets a reference to the transaction),
 ///   and must not end the transaction with SQL of its own.
-/// - [`classify`](Handler::classify) decides, for every PostgreSQL error of
-///   the transaction (the handler's statements, idem's own, the commit),
-///   whether the message failed or the infrastructure did.
+/// - [`classify`](Handler::classify) decides, for every error PostgreSQL
+///   reports in the transaction (the handler's statements, idem's own, the
+///   commit), whether the message failed or the infrastructure did.
 ///
 /// Lock rows in a stable order (sort by key) when a batch touches several:
 /// concurrent batches then cannot deadlock. A deadlock is not the message's
@@ -80,9 +80,13 @@ pub trait Handler: Send + Sync + 'static {
         events: &[&Self::Event],
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
-    /// Whose fault a PostgreSQL error of the transaction is. The default is
-    /// idem's SQLSTATE classification ([`classify_sqlstate`]); refine it
-    /// where the handler knows better.
+    /// Whose fault a PostgreSQL error of the transaction is, for the errors
+    /// the server reported (with a SQLSTATE); a broken connection is always
+    /// the infrastructure's. The default is idem's SQLSTATE classification
+    /// ([`classify_sqlstate`]); refine it where the handler knows better (a
+    /// foreign key that a later event will satisfy is a failure of the
+    /// message that a retry may fix; an exclusion constraint held by a
+    /// concurrent batch is not the message's fault).
     fn classify(&self, error: &tokio_postgres::Error) -> FailureKind {
         classify(error)
     }

@@ -187,9 +187,15 @@ impl<H: Handler> Applier<H> {
         Ok(claimed)
     }
 
+    /// A broken connection (no SQLSTATE) is the infrastructure's whatever
+    /// the handler says: it refines what PostgreSQL reported.
     fn database_failure(&self, error: &tokio_postgres::Error) -> Failure {
+        let kind = match error.code() {
+            Some(_) => self.handler.classify(error),
+            None => FailureKind::Infrastructure,
+        };
         Failure {
-            kind: self.handler.classify(error),
+            kind,
             reason: describe(error),
         }
     }

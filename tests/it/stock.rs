@@ -390,11 +390,15 @@ async fn a_database_outage_holds_stock_reservations_and_dead_letters_none(
     let load = reservations(&env, 3000, 20);
     stock_up(&env, &load, 1_000_000).await?;
     let bodies: Vec<Vec<u8>> = load.iter().map(Reservation::body).collect();
-    env.publish(&bodies).await?;
+    let (before, after) = bodies.split_at(bodies.len() / 2);
+    env.publish(before).await?;
 
     let worker = env.worker(&StockEnv::database_url_via(database.port), mode)?;
     env.wait_records(300, Duration::from_secs(60)).await?;
     database.sever();
+    // The rest goes out now, so that the worker has work to hold however
+    // fast it went through the first half.
+    env.publish(after).await?;
     wait_for(
         "the worker to hold its deliveries",
         Duration::from_secs(30),
