@@ -103,6 +103,7 @@
 //! - [`commands`] — `publish`, `requeue`, `demo` and `bench`.
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
+//! - [`duration`] — durations as flags and queue names write them.
 //! - [`backoff`] — the retry schedules.
 //! - [`secret`] — connection strings that never print their password.
 //! - [`tls`] — CA files and TLS handshake failures, for both connections.
@@ -112,6 +113,7 @@ pub mod backoff;
 pub mod broker;
 mod caught;
 pub mod commands;
+pub mod duration;
 pub mod generate;
 pub mod handler;
 pub mod points;

@@ -32,6 +32,8 @@ pub const DEAD_LETTER_EXCHANGE: &str = "IDEM_DEAD_LETTER_EXCHANGE";
 pub const DEAD_LETTER_QUEUE: &str = "IDEM_DEAD_LETTER_QUEUE";
 /// `--delivery-limit`.
 pub const DELIVERY_LIMIT: &str = "IDEM_DELIVERY_LIMIT";
+/// `--retry-delays`.
+pub const RETRY_DELAYS: &str = "IDEM_RETRY_DELAYS";
 /// `worker --max-attempts`.
 pub const MAX_ATTEMPTS: &str = "IDEM_MAX_ATTEMPTS";
 /// `worker --mode`.
@@ -62,5 +64,9 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
         (DEAD_LETTER_EXCHANGE, topology.dead_letter_exchange.clone()),
         (DEAD_LETTER_QUEUE, topology.dead_letter_queue.clone()),
         (DELIVERY_LIMIT, topology.delivery_limit.to_string()),
+        (
+            RETRY_DELAYS,
+            crate::duration::format_list(&topology.retry_delays),
+        ),
     ]
 }

@@ -14,8 +14,8 @@
 //! cargo run --example stock -- requeue    # replay its dead letters
 //! ```
 //!
-//! It reads `AMQP_URL`, `DATABASE_URL`, `IDEM_SCHEMA` and `IDEM_MODE`, as
-//! `idem` does; everything else is idem's defaults.
+//! It reads `AMQP_URL`, `DATABASE_URL`, `IDEM_SCHEMA`, `IDEM_MODE` and
+//! `IDEM_RETRY_DELAYS`, as `idem` does; everything else is idem's defaults.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use idem::broker::{AmqpConfig, Topology};
 use idem::commands::requeue::{self, RequeueConfig};
+use idem::duration;
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
 use idem::secret::SecretUrl;
 use idem::store::{DatabaseConfig, migrate};
@@ -135,7 +136,13 @@ fn config() -> anyhow::Result<WorkerConfig> {
         .parse()
         .map_err(anyhow::Error::msg)
         .context(vars::MODE)?;
-    Ok(WorkerConfig::new(amqp, database, topology(), CONSUMER_GROUP).with_mode(mode))
+    let mut topology = topology();
+    if let Ok(delays) = std::env::var(vars::RETRY_DELAYS) {
+        topology.retry_delays = duration::parse_list(&delays, Topology::MAX_RETRY_DELAY)
+            .map_err(anyhow::Error::msg)
+            .context(vars::RETRY_DELAYS)?;
+    }
+    Ok(WorkerConfig::new(amqp, database, topology, CONSUMER_GROUP).with_mode(mode))
 }
 
 async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {

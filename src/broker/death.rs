@@ -6,6 +6,14 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 /// Header idem sets on a replayed message: how many times it was replayed.
 pub const REPLAY_HEADER: &str = "x-idem-replays";
 
+/// Headers idem sets on a message the first time it sends it to wait: the
+/// exchange and routing key it was first published with. The broker's
+/// `x-death` names the last publish, which for a message that waited is
+/// idem's, to a wait queue through the default exchange.
+pub const EXCHANGE_HEADER: &str = "x-idem-exchange";
+/// See [`EXCHANGE_HEADER`].
+pub const ROUTING_KEY_HEADER: &str = "x-idem-routing-key";
+
 /// The most recent death of a message, from its `x-death` header.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Death {
@@ -19,70 +27,108 @@ pub struct Death {
     pub time: Option<u64>,
     /// Exchange it was first published to.
     pub exchange: String,
-    /// Routing keys it was published with.
+    /// Routing keys it was first published with.
     pub routing_keys: Vec<String>,
 }
 
 impl Death {
-    /// The first (most recent) entry of `x-death`, if there is one.
+    /// The first (most recent) entry of `x-death`, if there is one, with
+    /// the route it was first published with ([`EXCHANGE_HEADER`] when idem
+    /// recorded it).
     pub fn latest(headers: Option<&FieldTable>) -> Option<Self> {
-        let AMQPValue::FieldArray(deaths) = headers?.inner().get("x-death")? else {
+        let mut death = Self::recorded(headers?)?;
+        let table = headers?.inner();
+        if let Some(exchange) = table.get(EXCHANGE_HEADER).and_then(text) {
+            death.exchange = exchange;
+            death.routing_keys = table
+                .get(ROUTING_KEY_HEADER)
+                .and_then(text)
+                .into_iter()
+                .collect();
+        }
+        Some(death)
+    }
+
+    /// The broker's own record of the most recent death.
+    fn recorded(headers: &FieldTable) -> Option<Self> {
+        let AMQPValue::FieldArray(deaths) = headers.inner().get("x-death")? else {
             return None;
         };
         let AMQPValue::FieldTable(entry) = deaths.as_slice().first()? else {
             return None;
         };
         let entry = entry.inner();
-        let text = |key: &str| match entry.get(key) {
-            Some(AMQPValue::LongString(s)) => Some(s.to_string()),
-            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
-            _ => None,
-        };
+        let field = |key: &str| entry.get(key).and_then(text);
         Some(Death {
-            queue: text("queue")?,
-            reason: text("reason").unwrap_or_default(),
+            queue: field("queue")?,
+            reason: field("reason").unwrap_or_default(),
             count: entry.get("count").and_then(integer).unwrap_or(1),
             time: match entry.get("time") {
                 Some(AMQPValue::Timestamp(t)) => Some(*t),
                 _ => None,
             },
-            exchange: text("exchange").unwrap_or_default(),
+            exchange: field("exchange").unwrap_or_default(),
             routing_keys: match entry.get("routing-keys") {
-                Some(AMQPValue::FieldArray(keys)) => keys
-                    .as_slice()
-                    .iter()
-                    .filter_map(|k| match k {
-                        AMQPValue::LongString(s) => Some(s.to_string()),
-                        AMQPValue::ShortString(s) => Some(s.to_string()),
-                        _ => None,
-                    })
-                    .collect(),
+                Some(AMQPValue::FieldArray(keys)) => {
+                    keys.as_slice().iter().filter_map(text).collect()
+                }
                 _ => Vec::new(),
             },
         })
     }
 }
 
+fn text(value: &AMQPValue) -> Option<String> {
+    match value {
+        AMQPValue::LongString(s) => Some(s.to_string()),
+        AMQPValue::ShortString(s) => Some(s.to_string()),
+        _ => None,
+    }
+}
+
+/// The headers of a copy sent to wait: the original ones without those the
+/// broker owns, and the route the message was first published with, unless
+/// an earlier wait recorded it already.
+pub fn wait_headers(
+    original: Option<&FieldTable>,
+    exchange: &str,
+    routing_key: &str,
+) -> FieldTable {
+    let mut headers = without_broker_headers(original);
+    if !headers.inner().contains_key(EXCHANGE_HEADER) {
+        headers.insert(
+            ShortString::from(EXCHANGE_HEADER),
+            AMQPValue::LongString(exchange.into()),
+        );
+        headers.insert(
+            ShortString::from(ROUTING_KEY_HEADER),
+            AMQPValue::LongString(routing_key.into()),
+        );
+    }
+    headers
+}
+
 /// The headers of a replayed copy: the original ones without those the
 /// broker owns (RabbitMQ 4 ignores them from publishers, 3.x would count
 /// old deaths), and with the replay counter one higher.
 pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
-    let mut headers = FieldTable::default();
-    let mut replays = 0;
-    if let Some(original) = original {
-        for (key, value) in original.inner() {
-            let name = key.as_str();
-            if name == REPLAY_HEADER {
-                replays = integer(value).unwrap_or(0);
-            } else if !is_broker_owned(name) {
-                headers.insert(key.clone(), value.clone());
-            }
-        }
-    }
+    let mut headers = without_broker_headers(original);
     headers.insert(
         ShortString::from(REPLAY_HEADER),
-        AMQPValue::LongLongInt(replays + 1),
+        AMQPValue::LongLongInt(replays(original) + 1),
     );
+    headers
+}
+
+/// The original headers without those the broker owns: what a message
+/// published again by idem (to a wait queue, say) carries.
+pub fn without_broker_headers(original: Option<&FieldTable>) -> FieldTable {
+    let mut headers = FieldTable::default();
+    for (key, value) in original.map(FieldTable::inner).into_iter().flatten() {
+        if !is_broker_owned(key.as_str()) {
+            headers.insert(key.clone(), value.clone());
+        }
+    }
     headers
 }
 
@@ -170,6 +216,30 @@ mod tests {
         );
         assert_eq!(Death::latest(None), None);
         assert_eq!(Death::latest(Some(&FieldTable::default())), None);
+    }
+
+    #[test]
+    fn a_message_that_waited_keeps_the_route_it_was_first_published_with() {
+        // The first wait records the route of the delivery as it came...
+        let first = wait_headers(
+            Some(&dead_lettered_headers()),
+            "payments",
+            "payment.succeeded",
+        );
+        // ...later ones, arriving from a wait queue, keep it.
+        let again = wait_headers(Some(&first), "", "work.retry.1s");
+        let mut died = again.clone();
+        for (key, value) in dead_lettered_headers().inner() {
+            if key.as_str() == "x-death" {
+                died.insert(key.clone(), value.clone());
+            }
+        }
+        let death = Death::latest(Some(&died));
+        assert_eq!(
+            death.map(|death| (death.exchange, death.routing_keys)),
+            Some(("payments".to_owned(), vec!["payment.succeeded".to_owned()]))
+        );
+        assert!(!again.inner().contains_key("x-death"));
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The exchanges, queues and bindings idem works with, declared the same way
 //! by the worker and described by `rabbit-definitions.json`.
 
+use std::time::Duration;
+
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
@@ -26,6 +28,10 @@ pub struct Topology {
     /// budget, for a message that crashes the worker itself (every crash
     /// counts as a delivery on RabbitMQ 3.x).
     pub delivery_limit: u32,
+    /// How long a failed message waits before its next attempt, after its
+    /// first failure, its second, …; the last repeats. Each distinct delay
+    /// above zero has a wait queue; zero returns the message at once.
+    pub retry_delays: Vec<Duration>,
 }
 
 /// The broker refused a declaration.
@@ -86,6 +92,20 @@ impl Topology {
     /// The work queue's `x-delivery-limit` unless said otherwise.
     pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
+    /// The retry schedule unless said otherwise: a failure that time fixes
+    /// (a row that arrives a moment later, a lock, a service restarting)
+    /// gets about six minutes in all with five attempts; a message that can
+    /// never apply is dead-lettered by then.
+    pub const DEFAULT_RETRY_DELAYS: [Duration; 4] = [
+        Duration::from_secs(1),
+        Duration::from_secs(10),
+        Duration::from_secs(60),
+        Duration::from_secs(300),
+    ];
+
+    /// The longest delay: RabbitMQ's `x-message-ttl` is at most 2³² − 1 ms.
+    pub const MAX_RETRY_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
+
     /// A topology of these names, with the default delivery limit.
     pub fn new(
         exchange: &str,
@@ -101,7 +121,51 @@ impl Topology {
             dead_letter_exchange: dead_letter_exchange.into(),
             dead_letter_queue: dead_letter_queue.into(),
             delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
+            retry_delays: Self::DEFAULT_RETRY_DELAYS.to_vec(),
         }
+    }
+
+    /// How long a message waits after its `failures`-th failure (1 for the
+    /// first): zero means at once.
+    pub fn delay_after(&self, failures: u32) -> Duration {
+        let index = (failures.max(1) - 1) as usize;
+        self.retry_delays
+            .get(index)
+            .or(self.retry_delays.last())
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// The wait queue of `delay`: `<work queue>.retry.<delay>`, e.g.
+    /// `points.payment-succeeded.retry.10s`.
+    pub fn wait_queue(&self, delay: Duration) -> String {
+        format!("{}.retry.{}", self.queue, crate::duration::format(delay))
+    }
+
+    /// The distinct delays above zero, shortest first: one wait queue each.
+    pub fn waits(&self) -> Vec<Duration> {
+        let mut waits: Vec<Duration> = self
+            .retry_delays
+            .iter()
+            .copied()
+            .filter(|delay| !delay.is_zero())
+            .collect();
+        waits.sort();
+        waits.dedup();
+        waits
+    }
+
+    /// Every queue of this topology: the work queue, the dead-letter queue,
+    /// the wait queues.
+    pub fn queues(&self) -> Vec<String> {
+        let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
+        queues.extend(self.waits().into_iter().map(|delay| self.wait_queue(delay)));
+        queues
+    }
+
+    /// Every exchange of this topology.
+    pub fn exchanges(&self) -> [&str; 2] {
+        [&self.exchange, &self.dead_letter_exchange]
     }
 
     /// A JSON event for this topology's exchange and routing key.
@@ -119,6 +183,7 @@ impl Topology {
             dead_letter_exchange: format!("{prefix}{}", self.dead_letter_exchange),
             dead_letter_queue: format!("{prefix}{}", self.dead_letter_queue),
             delivery_limit: self.delivery_limit,
+            retry_delays: self.retry_delays.clone(),
         }
     }
 
@@ -144,6 +209,36 @@ impl Topology {
         vec![("x-queue-type", json!("classic"))]
     }
 
+    /// Arguments of the wait queue of `delay`: nothing consumes it; each
+    /// message expires after `delay` (the same for all, so in the order they
+    /// came) and is dead-lettered back to the work queue through the
+    /// default exchange, at least once, as the work queue dead-letters.
+    fn wait_queue_arguments(&self, delay: Duration) -> Vec<(&'static str, Value)> {
+        vec![
+            ("x-queue-type", json!("quorum")),
+            ("x-message-ttl", json!(delay.as_millis() as u64)),
+            ("x-dead-letter-exchange", json!("")),
+            ("x-dead-letter-routing-key", json!(self.queue)),
+            ("x-dead-letter-strategy", json!("at-least-once")),
+            ("x-overflow", json!("reject-publish")),
+        ]
+    }
+
+    /// Every queue with its arguments.
+    fn queue_arguments(&self) -> Vec<(String, Vec<(&'static str, Value)>)> {
+        let mut queues = vec![
+            (self.queue.clone(), self.work_queue_arguments()),
+            (
+                self.dead_letter_queue.clone(),
+                Self::dead_letter_queue_arguments(),
+            ),
+        ];
+        for delay in self.waits() {
+            queues.push((self.wait_queue(delay), self.wait_queue_arguments(delay)));
+        }
+        queues
+    }
+
     /// Declares everything; idempotent. A queue that exists with other
     /// arguments is reported as [`TopologyError::Mismatch`].
     pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
@@ -164,10 +259,7 @@ impl Topology {
             durable: true,
             ..QueueDeclareOptions::default()
         };
-        for (name, arguments) in [
-            (&self.queue, self.work_queue_arguments()),
-            (&self.dead_letter_queue, Self::dead_letter_queue_arguments()),
-        ] {
+        for (name, arguments) in self.queue_arguments() {
             channel
                 .queue_declare(name.as_str().into(), durable, field_table(&arguments))
                 .await
@@ -222,10 +314,11 @@ impl Topology {
             .collect();
         json!({
             "exchanges": [exchange(&self.exchange, "topic"), exchange(&self.dead_letter_exchange, "direct")],
-            "queues": [
-                queue(&self.queue, self.work_queue_arguments()),
-                queue(&self.dead_letter_queue, Self::dead_letter_queue_arguments()),
-            ],
+            "queues": self
+                .queue_arguments()
+                .into_iter()
+                .map(|(name, arguments)| queue(&name, arguments))
+                .collect::<Vec<_>>(),
             "bindings": bindings,
         })
     }

@@ -323,14 +323,14 @@ impl<'a> Bench<'a> {
             .await?;
         let connection = connect(&config.amqp, "idem bench").await?;
         let channel = connection.create_channel().await?;
-        for queue in [&topology.queue, &topology.dead_letter_queue] {
+        for queue in topology.queues() {
             channel
                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                 .await?;
         }
-        for exchange in [&topology.exchange, &topology.dead_letter_exchange] {
+        for exchange in topology.exchanges() {
             channel
-                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
                 .await?;
         }
         channel.close(200, "OK".into()).await?;

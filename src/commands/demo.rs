@@ -166,15 +166,15 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
 async fn reset_topology(amqp: &AmqpConfig, topology: &Topology) -> anyhow::Result<()> {
     let connection = connect(amqp, "idem demo").await?;
     let channel = connection.create_channel().await?;
-    for queue in [&topology.queue, &topology.dead_letter_queue] {
+    for queue in topology.queues() {
         channel
             .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
             .await
             .with_context(|| format!("cannot delete the demo queue {queue}"))?;
     }
-    for exchange in [&topology.exchange, &topology.dead_letter_exchange] {
+    for exchange in topology.exchanges() {
         channel
-            .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
             .await
             .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
     }

@@ -11,6 +11,7 @@ mod intake;
 mod process;
 mod settle;
 mod stats;
+mod wait;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +28,8 @@ use tracing::{Instrument, error, info, info_span, warn};
 pub use stats::{Snapshot, Stats};
 
 use crate::broker::{
-    AmqpConfig, ConnectError, Topology, TopologyError, close, close_channel, connect_with_retry,
-    failure,
+    AmqpConfig, ConfirmChannel, ConnectError, Topology, TopologyError, close, close_channel,
+    connect_with_retry, failure,
 };
 use crate::caught;
 use crate::handler::Handler;
@@ -269,6 +270,7 @@ impl<H: Handler> Worker<H> {
             health: DatabaseHealth::new(),
             stats: Arc::clone(&stats),
             max_hold_backoff: Duration::from_secs(5),
+            topology: config.topology.clone(),
         });
         // After the first connection, a lost one is retried for as long as it takes.
         let mut patience = config.startup_timeout;
@@ -312,8 +314,8 @@ async fn session<H: Handler>(
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, WorkerError> {
     let lost = failure(connection);
-    let channel = match open_channel(connection, config).await {
-        Ok(channel) => channel,
+    let (channel, publisher) = match open_channel(connection, config).await {
+        Ok(channels) => channels,
         Err(OpenError::Topology(
             error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. }),
         )) => {
@@ -326,7 +328,7 @@ async fn session<H: Handler>(
         tokio::time::sleep(config.shutdown_timeout).await;
     };
     let end = tokio::select! {
-        end = consume(config, &channel, processor, lost, shutdown) => end,
+        end = consume(config, &channel, &publisher, processor, lost, shutdown) => end,
         () = deadline => {
             warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
             SessionEnd::Drained
@@ -334,6 +336,7 @@ async fn session<H: Handler>(
     };
     if let SessionEnd::Drained = end {
         close_channel(&channel).await;
+        close_channel(publisher.channel()).await;
     }
     Ok(end)
 }
@@ -344,6 +347,7 @@ async fn session<H: Handler>(
 async fn consume<H: Handler>(
     config: &WorkerConfig,
     channel: &Channel,
+    publisher: &ConfirmChannel,
     processor: &Arc<Processor<H>>,
     lost: impl Future<Output = String>,
     shutdown: &CancellationToken,
@@ -402,11 +406,20 @@ async fn consume<H: Handler>(
             delivery.first_tag = batch[0].delivery_tag,
             batch.size = batch.len()
         );
-        let (processor, settler) = (Arc::clone(processor), settler.clone());
+        let (processor, settler, publisher) =
+            (Arc::clone(processor), settler.clone(), publisher.clone());
         in_flight.spawn(
             async move {
                 let settlements = match caught::future(processor.process(batch)).await {
-                    Ok(settlements) => settlements,
+                    Ok(mut decided) => {
+                        if !decided.waiting.is_empty() {
+                            let waiting = std::mem::take(&mut decided.waiting);
+                            decided
+                                .settlements
+                                .extend(wait::send(&publisher, &processor.topology, waiting).await);
+                        }
+                        decided.settlements
+                    }
                     Err(panic) => given_back(&processor.stats, tags, &panic),
                 };
                 settler.settle(settlements);
@@ -473,11 +486,12 @@ enum OpenError {
     Broker(lapin::Error),
 }
 
-/// A channel with the topology declared and the prefetch set.
+/// A channel to consume on, with the topology declared and the prefetch
+/// set, and one in confirm mode to send failed messages to wait on.
 async fn open_channel(
     connection: &Connection,
     config: &WorkerConfig,
-) -> Result<Channel, OpenError> {
+) -> Result<(Channel, ConfirmChannel), OpenError> {
     let channel = connection
         .create_channel()
         .await
@@ -491,7 +505,10 @@ async fn open_channel(
         .basic_qos(config.prefetch, BasicQosOptions::default())
         .await
         .map_err(OpenError::Broker)?;
-    Ok(channel)
+    let publisher = ConfirmChannel::open(connection)
+        .await
+        .map_err(OpenError::Broker)?;
+    Ok((channel, publisher))
 }
 
 /// Cancels the consumer once `shutdown` fires: the broker stops sending, and

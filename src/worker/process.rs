@@ -2,8 +2,9 @@
 //! decide what the broker is told. All failure handling lives here.
 //!
 //! - invalid message: dead-letter at once;
-//! - this message failed: count it in the failure ledger and give it back,
-//!   or dead-letter it once it has used up its attempts;
+//! - this message failed: count it in the failure ledger and send it to
+//!   wait (or give it back at once), or dead-letter it once it has used up
+//!   its attempts;
 //! - infrastructure unavailable: hold the deliveries and retry with backoff,
 //!   never spending a message's attempts on an outage.
 
@@ -19,17 +20,47 @@ use tracing::{debug, info, warn};
 use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
+use crate::broker::Topology;
 use crate::caught;
 use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
 use crate::store::{Applier, Failure, Store};
 
 /// A delivery whose body is a valid event.
 struct Item<E> {
-    tag: DeliveryTag,
-    redelivered: bool,
+    /// Kept whole until it is decided: a failed one is published again, to
+    /// wait.
+    delivery: Delivery,
     /// The quorum queue's count of earlier deliveries, when it set one.
     delivery_count: Option<i64>,
     event: E,
+}
+
+impl<E> Item<E> {
+    fn tag(&self) -> DeliveryTag {
+        self.delivery.delivery_tag
+    }
+}
+
+/// A failed delivery to publish to the wait queue of its delay; it is acked
+/// only once that copy is confirmed.
+#[derive(Debug)]
+pub(crate) struct Waiting {
+    pub(crate) delivery: Delivery,
+    pub(crate) delay: Duration,
+}
+
+/// What became of a batch: decisions for the broker, and deliveries to send
+/// to wait first.
+#[derive(Debug, Default)]
+pub(crate) struct Decided {
+    pub(crate) settlements: Vec<Settlement>,
+    pub(crate) waiting: Vec<Waiting>,
+}
+
+impl Decided {
+    fn settle(&mut self, tag: DeliveryTag, disposition: Disposition) {
+        self.settlements.push(Settlement { tag, disposition });
+    }
 }
 
 /// Applies batches of deliveries; shared by every in-flight batch.
@@ -44,6 +75,8 @@ pub(crate) struct Processor<H: Handler> {
     pub(crate) stats: Arc<Stats>,
     /// Longest wait between two attempts while the database is unavailable.
     pub(crate) max_hold_backoff: Duration,
+    /// The retry schedule.
+    pub(crate) topology: Topology,
 }
 
 impl<H: Handler> Processor<H> {
@@ -61,16 +94,18 @@ impl<H: Handler> Processor<H> {
 
     /// Decides every delivery of `batch`. Returns only once each is decided,
     /// which may be long while the database is unavailable.
-    pub(crate) async fn process(&self, batch: Vec<Delivery>) -> Vec<Settlement> {
+    pub(crate) async fn process(&self, batch: Vec<Delivery>) -> Decided {
         self.stats.received(batch.len() as u64);
-        let mut settlements = Vec::with_capacity(batch.len());
+        let mut decided = Decided {
+            settlements: Vec::with_capacity(batch.len()),
+            waiting: Vec::new(),
+        };
         let mut items = Vec::with_capacity(batch.len());
         for delivery in batch {
             match self.decode(&delivery.data) {
                 Ok(event) => items.push(Item {
-                    tag: delivery.delivery_tag,
-                    redelivered: delivery.redelivered,
                     delivery_count: delivery_count(&delivery),
+                    delivery,
                     event,
                 }),
                 Err(invalid) => {
@@ -83,15 +118,12 @@ impl<H: Handler> Processor<H> {
                         "invalid message: dead-lettering it"
                     );
                     self.stats.invalid(1);
-                    settlements.push(Settlement {
-                        tag: delivery.delivery_tag,
-                        disposition: Disposition::DeadLetter,
-                    });
+                    decided.settle(delivery.delivery_tag, Disposition::DeadLetter);
                 }
             }
         }
-        self.apply(items, &mut settlements).await;
-        settlements
+        self.apply(items, &mut decided).await;
+        decided
     }
 
     /// The handler's event of `body`, checked against idem's own rules: a
@@ -116,9 +148,9 @@ impl<H: Handler> Processor<H> {
     /// Applies `items` in one transaction; when that fails for a message
     /// reason and there is more than one, applies them one by one so that a
     /// poison message cannot hold back the others.
-    async fn apply(&self, mut items: Vec<Item<H::Event>>, settlements: &mut Vec<Settlement>) {
-        if items.iter().any(|item| item.redelivered) {
-            items = self.dead_letter_exhausted(items, settlements).await;
+    async fn apply(&self, mut items: Vec<Item<H::Event>>, decided: &mut Decided) {
+        if items.iter().any(|item| item.delivery.redelivered) {
+            items = self.dead_letter_exhausted(items, decided).await;
         }
         if items.is_empty() {
             return;
@@ -139,26 +171,23 @@ impl<H: Handler> Processor<H> {
                     let event_id = self.event_id(&item);
                     if went_in {
                         self.stats.applied(1);
-                        debug!(delivery.tag = item.tag, event.id = %event_id, "applied");
+                        debug!(delivery.tag = item.tag(), event.id = %event_id, "applied");
                     } else {
                         self.stats.duplicates(1);
-                        debug!(delivery.tag = item.tag, event.id = %event_id, "duplicate: acked without effect");
+                        debug!(delivery.tag = item.tag(), event.id = %event_id, "duplicate: acked without effect");
                     }
-                    settlements.push(Settlement {
-                        tag: item.tag,
-                        disposition: Disposition::Ack,
-                    });
+                    decided.settle(item.tag(), Disposition::Ack);
                 }
             }
             Err(failure) if items.len() > 1 => {
                 info!(batch.size = items.len(), %failure, "batch transaction failed: applying its messages one by one");
                 for item in items {
-                    Box::pin(self.apply(vec![item], settlements)).await;
+                    Box::pin(self.apply(vec![item], decided)).await;
                 }
             }
             Err(failure) => {
                 for item in items {
-                    settlements.push(self.failed(item, &failure).await);
+                    self.failed(item, &failure, decided).await;
                 }
             }
         }
@@ -170,11 +199,11 @@ impl<H: Handler> Processor<H> {
     async fn dead_letter_exhausted(
         &self,
         items: Vec<Item<H::Event>>,
-        settlements: &mut Vec<Settlement>,
+        decided: &mut Decided,
     ) -> Vec<Item<H::Event>> {
         let ids: Vec<&str> = items
             .iter()
-            .filter(|item| item.redelivered)
+            .filter(|item| item.delivery.redelivered)
             .map(|item| self.event_id(item))
             .collect();
         let exhausted = match self
@@ -189,30 +218,29 @@ impl<H: Handler> Processor<H> {
             Err(_) => return items,
         };
         let (spent, rest): (Vec<_>, Vec<_>) = items.into_iter().partition(|item| {
-            item.redelivered && exhausted.iter().any(|id| id == self.event_id(item))
+            item.delivery.redelivered && exhausted.iter().any(|id| id == self.event_id(item))
         });
         for item in spent {
             warn!(
-                delivery.tag = item.tag,
+                delivery.tag = item.tag(),
                 event.id = %self.event_id(&item),
                 max_attempts = self.max_attempts,
                 "out of attempts before the last restart: dead-lettering it"
             );
             self.stats.dead_lettered(1);
-            settlements.push(Settlement {
-                tag: item.tag,
-                disposition: Disposition::DeadLetter,
-            });
+            decided.settle(item.tag(), Disposition::DeadLetter);
         }
         rest
     }
 
     /// This message's transaction failed and rolled back: count the failure,
-    /// then give it back for another attempt or dead-letter it. A failure
-    /// that cannot be counted has not been: the delivery is held, as in an
-    /// outage, until the ledger takes it; returning it uncounted would let
-    /// the broker's delivery limit dead-letter a message idem never gave up on.
-    async fn failed(&self, item: Item<H::Event>, failure: &Failure) -> Settlement {
+    /// then send it to wait for its next attempt (or give it back at once,
+    /// for a delay of zero), or dead-letter it once it has used up its
+    /// attempts. A failure that cannot be counted has not been: the delivery
+    /// is held, as in an outage, until the ledger takes it; returning it
+    /// uncounted would let the broker's delivery limit dead-letter a message
+    /// idem never gave up on.
+    async fn failed(&self, item: Item<H::Event>, failure: &Failure, decided: &mut Decided) {
         let event_id = self.event_id(&item);
         let counted = self
             .until_database_answers(
@@ -223,31 +251,38 @@ impl<H: Handler> Processor<H> {
         let Ok(failures) = counted else {
             unreachable!("every error of the ledger is retried");
         };
-        let disposition = if failures >= self.max_attempts {
-            self.stats.dead_lettered(1);
-            Disposition::DeadLetter
+        let spent = failures >= self.max_attempts;
+        let delay = self.topology.delay_after(failures);
+        let outcome = if spent {
+            "transaction failed and the message is out of attempts: dead-lettering it"
+        } else if delay.is_zero() {
+            "transaction failed: returning the message for another attempt"
         } else {
-            self.stats.retried(1);
-            Disposition::Retry
+            "transaction failed: the message waits for its next attempt"
         };
         warn!(
-            delivery.tag = item.tag,
-            delivery.redelivered = item.redelivered,
+            delivery.tag = item.tag(),
+            delivery.redelivered = item.delivery.redelivered,
             delivery.count = item.delivery_count,
             event.id = %event_id,
             attempt = failures,
             max_attempts = self.max_attempts,
+            retry.delay_ms = (!spent).then_some(delay.as_millis() as u64),
             error = %failure,
-            "{}",
-            if disposition == Disposition::DeadLetter {
-                "transaction failed and the message is out of attempts: dead-lettering it"
-            } else {
-                "transaction failed: returning the message for another attempt"
-            }
+            "{outcome}"
         );
-        Settlement {
-            tag: item.tag,
-            disposition,
+        if spent {
+            self.stats.dead_lettered(1);
+            decided.settle(item.tag(), Disposition::DeadLetter);
+        } else if delay.is_zero() {
+            self.stats.retried(1);
+            decided.settle(item.tag(), Disposition::Retry);
+        } else {
+            self.stats.retried(1);
+            decided.waiting.push(Waiting {
+                delivery: item.delivery,
+                delay,
+            });
         }
     }
 

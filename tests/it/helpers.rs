@@ -104,6 +104,11 @@ impl Drop for Vhost {
 pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const GROUP: &str = idem::points::CONSUMER_GROUP;
 
+/// The retry schedule of the tests' topologies: every guarantee holds with
+/// messages waiting between attempts, and short waits keep the suite quick.
+pub const TEST_RETRY_DELAYS: [Duration; 2] =
+    [Duration::from_millis(100), Duration::from_millis(200)];
+
 /// Names of this process's test objects start with this.
 fn process_prefix() -> String {
     format!("idem_t{}_", std::process::id())
@@ -164,7 +169,10 @@ impl TestEnv {
         };
         let pool = database.pool()?;
         migrate::run::<idem::points::Points>(&pool, Some(&schema)).await?;
-        let topology = idem::points::topology().prefixed(&format!("{}.", name.replace('_', "-")));
+        let topology = Topology {
+            retry_delays: TEST_RETRY_DELAYS.to_vec(),
+            ..idem::points::topology().prefixed(&format!("{}.", name.replace('_', "-")))
+        };
         let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
         let env = Self {
             name,
@@ -197,8 +205,7 @@ impl TestEnv {
                 .extra_queues
                 .lock()
                 .map_err(|_| anyhow::anyhow!("poisoned"))?;
-            extra.push(topology.queue.clone());
-            extra.push(topology.dead_letter_queue.clone());
+            extra.extend(topology.queues());
         }
         Ok(())
     }
@@ -480,20 +487,14 @@ impl DeadLetter {
 
 impl Drop for TestEnv {
     fn drop(&mut self) {
-        let mut queues = vec![
-            self.topology.queue.clone(),
-            self.topology.dead_letter_queue.clone(),
-        ];
+        let mut queues = self.topology.queues();
         queues.extend(
             self.extra_queues
                 .lock()
                 .map(|q| q.clone())
                 .unwrap_or_default(),
         );
-        let exchanges = vec![
-            self.topology.exchange.clone(),
-            self.topology.dead_letter_exchange.clone(),
-        ];
+        let exchanges = self.topology.exchanges().map(str::to_owned).to_vec();
         // A database of the test's own goes with its schema in it.
         let (schemas, databases) = match &self.own_database {
             Some(database) => (vec![], vec![database.clone()]),

@@ -33,5 +33,6 @@ mod idempotency;
 mod migrations;
 mod proxy;
 mod publishing;
+mod retries;
 mod stock;
 mod tls;

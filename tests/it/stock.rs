@@ -16,20 +16,24 @@ use idem::vars;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, Vhost, WorkerProcess, clean_up, drop_schema, peek, publish, ready, unique_name,
-    wait_for,
+    DATABASE_URL, TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, drop_schema, peek, publish,
+    ready, unique_name, wait_for,
 };
 use crate::proxy::Proxy;
 
-/// The example's topology and consumer group: its own, not the points worker's.
+/// The example's topology and consumer group: its own, not the points
+/// worker's; with the tests' short retry delays, which the example is told.
 fn topology() -> Topology {
-    Topology::new(
-        "inventory",
-        "stock.reserve",
-        "stock.reservations",
-        "stock.dlx",
-        "stock.reservations.dlq",
-    )
+    Topology {
+        retry_delays: TEST_RETRY_DELAYS.to_vec(),
+        ..Topology::new(
+            "inventory",
+            "stock.reserve",
+            "stock.reservations",
+            "stock.dlx",
+            "stock.reservations.dlq",
+        )
+    }
 }
 
 const GROUP: &str = "stock-reservations";
@@ -152,6 +156,10 @@ impl StockEnv {
             .env(vars::DATABASE_URL, database_url)
             .env(vars::SCHEMA, &self.name)
             .env(vars::MODE, mode.as_flag())
+            .env(
+                vars::RETRY_DELAYS,
+                idem::duration::format_list(&topology().retry_delays),
+            )
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);
         command

@@ -13,6 +13,7 @@ use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
 use idem::commands::publish::{PublishConfig, Source};
 use idem::commands::requeue::RequeueConfig;
+use idem::duration;
 use idem::generate::LoadSpec;
 use idem::points::{self, PaymentSucceeded};
 use idem::secret::SecretUrl;
@@ -146,6 +147,16 @@ pub(crate) struct TopologyArgs {
         global = true
     )]
     pub(crate) delivery_limit: u32,
+    /// How long a failed message waits before its next attempt, after the
+    /// first failure, the second, …; the last repeats until --max-attempts.
+    /// Each delay has a wait queue; `0` returns the message at once.
+    #[arg(
+        long,
+        env = vars::RETRY_DELAYS,
+        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec()),
+        global = true
+    )]
+    pub(crate) retry_delays: Delays,
 }
 
 /// `idem worker`.
@@ -318,21 +329,31 @@ impl std::str::FromStr for Wait {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        parse_duration(text).map(Wait)
+        duration::parse(text).map(Wait)
     }
 }
 
 impl fmt::Display for Wait {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let millis = self.0.as_millis();
-        match millis {
-            _ if millis.is_multiple_of(3_600_000) && millis > 0 => {
-                write!(f, "{}h", millis / 3_600_000)
-            }
-            _ if millis.is_multiple_of(60_000) && millis > 0 => write!(f, "{}m", millis / 60_000),
-            _ if millis.is_multiple_of(1000) => write!(f, "{}s", millis / 1000),
-            _ => write!(f, "{millis}ms"),
-        }
+        f.write_str(&duration::format(self.0))
+    }
+}
+
+/// A retry schedule as `--retry-delays` takes it: `1s,10s,1m,5m`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Delays(pub(crate) Vec<Duration>);
+
+impl std::str::FromStr for Delays {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        duration::parse_list(text, Topology::MAX_RETRY_DELAY).map(Delays)
+    }
+}
+
+impl fmt::Display for Delays {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&duration::format_list(&self.0))
     }
 }
 
@@ -366,6 +387,7 @@ impl Cli {
         let names = &self.topology;
         Topology {
             delivery_limit: names.delivery_limit,
+            retry_delays: names.retry_delays.0.clone(),
             ..Topology::new(
                 &names.exchange,
                 &names.routing_key,
@@ -534,30 +556,6 @@ impl Cli {
     }
 }
 
-/// `250ms`, `30s`, `5m`, `1h`, or a plain number of seconds.
-pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
-    let text = text.trim();
-    let split = text
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number
-        .parse()
-        .map_err(|_| format!("'{text}' is not a duration (e.g. 250ms, 30s, 5m)"))?;
-    let seconds = match unit.trim() {
-        "ms" => number / 1000.0,
-        "" | "s" => number,
-        "m" => number * 60.0,
-        "h" => number * 3600.0,
-        other => {
-            return Err(format!(
-                "unknown unit '{other}' in '{text}' (use ms, s, m or h)"
-            ));
-        }
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("'{text}': {e}"))
-}
-
 fn parse_ratio(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(ratio) if (0.0..=1.0).contains(&ratio) => Ok(ratio),
@@ -573,21 +571,6 @@ mod tests {
     #[test]
     fn verify_cli() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn durations_parse_with_units_and_show_as_they_parse() {
-        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
-        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("30"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
-        assert_eq!(parse_duration("1.5h"), Ok(Duration::from_secs(5400)));
-        assert!(parse_duration("soon").is_err());
-        assert!(parse_duration("5 weeks").is_err());
-        for shown in ["5ms", "1500ms", "30s", "3m", "90s", "2h", "0s"] {
-            let wait: Result<Wait, _> = shown.parse();
-            assert_eq!(wait.map(|w| w.to_string()), Ok(shown.to_owned()));
-        }
     }
 
     #[test]

@@ -1,0 +1,304 @@
+//! Delayed retries: a failed message waits in the wait queue of its delay
+//! (RabbitMQ holds it, not the worker's memory) and comes back for its next
+//! attempt; attempts are spaced as the schedule says, counted in the ledger.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idem::broker::Topology;
+use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+use idem::points::{PaymentSucceeded, Points};
+use idem::worker::Mode;
+
+use crate::helpers::{
+    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, load,
+    patient, wait_for,
+};
+
+/// The points effect, for events whose order has a row in `arrivals`; the
+/// others fail, as a message whose dependency has not arrived yet. Each
+/// attempt's time is noted.
+struct Arrivals {
+    attempts: Arc<Mutex<Vec<Instant>>>,
+}
+
+impl Handler for Arrivals {
+    type Event = PaymentSucceeded;
+
+    const NAME: &'static str = "points";
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        &event.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+    ) -> Result<(), HandlerError> {
+        self.attempts
+            .lock()
+            .map_err(|_| HandlerError::infrastructure("poisoned"))?
+            .push(Instant::now());
+        let orders: Vec<&str> = events.iter().map(|event| event.order_id.as_str()).collect();
+        let missing: i64 = tx
+            .query_one(
+                "SELECT count(*) FROM unnest($1::text[]) AS o(id) \
+                 WHERE NOT EXISTS (SELECT 1 FROM arrivals WHERE order_id = o.id)",
+                &[&orders],
+            )
+            .await?
+            .get(0);
+        if missing > 0 {
+            return Err(HandlerError::message("its order has not arrived yet"));
+        }
+        Points.apply(tx, events).await
+    }
+}
+
+/// `env`'s topology with the retry schedule `delays`, declared (and
+/// removed with the test).
+async fn with_delays(env: &TestEnv, delays: &[Duration]) -> anyhow::Result<Topology> {
+    let topology = Topology {
+        retry_delays: delays.to_vec(),
+        ..env.topology.clone()
+    };
+    env.declare(&topology).await?;
+    Ok(topology)
+}
+
+/// The gaps between consecutive attempts are the schedule's delays, give or
+/// take the time it takes to go round.
+fn assert_spaced(attempts: &[Instant], delays: &[Duration]) {
+    let tolerance = patient(Duration::from_millis(1500));
+    for (index, pair) in attempts.windows(2).enumerate() {
+        let gap = pair[1] - pair[0];
+        let delay = delays[index.min(delays.len() - 1)];
+        assert!(
+            gap >= delay && gap < delay + tolerance,
+            "attempt {} came {gap:?} after the one before, the schedule says {delay:?}",
+            index + 2
+        );
+    }
+}
+
+async fn ledger(env: &TestEnv, event_id: &str) -> anyhow::Result<Option<(i32, String)>> {
+    let client = env.pool.get().await?;
+    let row = client
+        .query_opt(
+            "SELECT failures, last_error FROM mq_failure_ledger WHERE event_id = $1",
+            &[&event_id],
+        )
+        .await?;
+    Ok(row.map(|row| (row.get(0), row.get(1))))
+}
+
+async fn a_message_that_fails_until_its_row_arrives_applies_at_a_later_attempt_spaced_as_configured(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.sql("CREATE TABLE arrivals (order_id TEXT PRIMARY KEY)")
+        .await?;
+    let delays = [Duration::from_secs(1), Duration::from_secs(2)];
+    let mut config = env.worker_config(mode);
+    config.topology = with_delays(&env, &delays).await?;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-late", env.name),
+        order_id: "late-order".into(),
+        points: 7,
+    };
+    env.publish_events(std::slice::from_ref(&event)).await?;
+
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let worker = RunningWorker::start_with(
+        config,
+        Arrivals {
+            attempts: Arc::clone(&attempts),
+        },
+    );
+    // Two failures counted, then the row arrives before the third attempt.
+    wait_for("two failures", Duration::from_secs(20), || async {
+        Ok(ledger(&env, &event.event_id)
+            .await?
+            .is_some_and(|(n, _)| n == 2))
+    })
+    .await?;
+    env.sql("INSERT INTO arrivals VALUES ('late-order')")
+        .await?;
+    wait_for("the event applied", Duration::from_secs(20), || async {
+        Ok(env.records_of(&event.event_id, GROUP).await? == 1)
+    })
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+
+    let attempts = attempts
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    assert_eq!(
+        attempts.len(),
+        3,
+        "two failures, then the attempt that applied"
+    );
+    assert_spaced(&attempts, &delays);
+    assert_eq!(
+        (stats.applied, stats.retried, stats.dead_lettered),
+        (1, 2, 0)
+    );
+    assert_eq!(env.points("late-order").await?, 7);
+    assert_eq!(
+        ledger(&env, &event.event_id).await?,
+        None,
+        "cleared when applied"
+    );
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    Ok(())
+}
+
+async fn a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempts_spaced_as_configured(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.sql("CREATE TABLE arrivals (order_id TEXT PRIMARY KEY)")
+        .await?;
+    let delays = [Duration::from_millis(300), Duration::from_millis(600)];
+    let mut config = env.worker_config(mode);
+    config.topology = with_delays(&env, &delays).await?;
+    config.max_attempts = 4;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-never", env.name),
+        order_id: "never-order".into(),
+        points: 1,
+    };
+    env.publish_events(std::slice::from_ref(&event)).await?;
+
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let worker = RunningWorker::start_with(
+        config,
+        Arrivals {
+            attempts: Arc::clone(&attempts),
+        },
+    );
+    wait_for("the dead letter", Duration::from_secs(20), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == 1)
+    })
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+
+    let attempts = attempts
+        .lock()
+        .map_err(|_| anyhow::anyhow!("poisoned"))?
+        .clone();
+    assert_eq!(attempts.len(), 4, "exactly --max-attempts");
+    assert_spaced(&attempts, &delays);
+    assert_eq!((stats.retried, stats.dead_lettered), (3, 1));
+    assert_eq!(
+        ledger(&env, &event.event_id).await?,
+        Some((4, "its order has not arrived yet".to_owned()))
+    );
+    let letters = env.dead_letters().await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(PaymentSucceeded::parse(&letters[0].body), Ok(event));
+    let death = letters[0]
+        .death()
+        .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+    assert_eq!(death.reason, "rejected");
+    assert_eq!(death.queue, env.topology.queue, "replayed to where it died");
+    // The route it was first published with, though it was last published
+    // by idem, to a wait queue.
+    assert_eq!(death.exchange, env.topology.exchange);
+    assert_eq!(death.routing_keys, vec![env.topology.routing_key.clone()]);
+    for delay in delays {
+        let waiting = env.ready(&env.topology.wait_queue(delay)).await?;
+        assert_eq!(waiting, 0, "nothing left waiting");
+    }
+    Ok(())
+}
+
+/// `('a'), ('b')`: the rows of a one-column `VALUES`.
+fn rows(values: &[&str]) -> String {
+    values
+        .iter()
+        .map(|value| format!("('{value}')"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+async fn killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothing_twice(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Long enough that the kill lands while they wait.
+    let delay = Duration::from_secs(3);
+    let topology = with_delays(&env, &[delay]).await?;
+    let wait_queue = topology.wait_queue(delay);
+    let load = load(&env, 3000, 0.2, 20);
+    let orders: Vec<&str> = load
+        .iter()
+        .map(|event| event.order_id.as_str())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let (ready, late) = orders.split_at(orders.len() / 2);
+    // Events of the late orders fail until their orders are ready.
+    env.sql(&format!(
+        "CREATE TABLE ready_orders (order_id TEXT PRIMARY KEY);
+         INSERT INTO ready_orders VALUES {};
+         CREATE FUNCTION not_yet() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NOT EXISTS (SELECT 1 FROM ready_orders WHERE order_id = NEW.order_id) THEN
+                 RAISE EXCEPTION 'order % is not ready', NEW.order_id;
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER not_yet BEFORE INSERT OR UPDATE ON user_points
+             FOR EACH ROW EXECUTE FUNCTION not_yet();",
+        rows(ready)
+    ))
+    .await?;
+    env.publish_events(&load).await?;
+
+    let args = ["--retry-delays", "3s", "--max-attempts", "10"];
+    let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &args)?;
+    wait_for("messages waiting", Duration::from_secs(60), || async {
+        Ok(env.ready(&wait_queue).await? > 0)
+    })
+    .await?;
+    first.kill().await?;
+    assert!(
+        env.ready(&wait_queue).await? > 0,
+        "killed while messages wait"
+    );
+    env.sql(&format!("INSERT INTO ready_orders VALUES {}", rows(late)))
+        .await?;
+    let second = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &args)?;
+    let distinct = idem::generate::distinct_events(&load) as i64;
+    wait_for("every event applied", Duration::from_secs(90), || async {
+        Ok(env.records(GROUP).await? >= distinct)
+    })
+    .await?;
+    wait_for(
+        "the work and wait queues empty",
+        Duration::from_secs(30),
+        || async {
+            Ok(env.ready(&env.topology.queue).await? == 0 && env.ready(&wait_queue).await? == 0)
+        },
+    )
+    .await?;
+    second.stop().await?;
+    assert_exact(&env, &load, &[]).await?;
+    assert_eq!(env.count_rows("mq_failure_ledger").await?, 0);
+    Ok(())
+}
+
+in_both_modes!(
+    a_message_that_fails_until_its_row_arrives_applies_at_a_later_attempt_spaced_as_configured,
+    a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempts_spaced_as_configured,
+    killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothing_twice,
+);
