@@ -353,3 +353,41 @@ fn field_table(arguments: &[(&str, Value)]) -> FieldTable {
     }
     table
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn topology(delays: &[u64]) -> Topology {
+        Topology {
+            retry_delays: delays.iter().map(|ms| Duration::from_millis(*ms)).collect(),
+            ..Topology::new("x", "k", "work", "dlx", "dlq")
+        }
+    }
+
+    #[test]
+    fn the_last_delay_repeats_and_zero_means_at_once() {
+        let schedule = topology(&[1000, 10_000]);
+        let after: Vec<u128> = (1..=4)
+            .map(|failures| schedule.delay_after(failures).as_millis())
+            .collect();
+        assert_eq!(after, vec![1000, 10_000, 10_000, 10_000]);
+        assert_eq!(topology(&[0]).delay_after(3), Duration::ZERO);
+        assert_eq!(topology(&[]).delay_after(1), Duration::ZERO);
+    }
+
+    #[test]
+    fn each_distinct_delay_above_zero_has_one_wait_queue_named_after_it() {
+        let schedule = topology(&[0, 1000, 60_000, 1000, 250]);
+        assert_eq!(
+            schedule.queues(),
+            vec![
+                "work",
+                "dlq",
+                "work.retry.250ms",
+                "work.retry.1s",
+                "work.retry.1m"
+            ]
+        );
+    }
+}
