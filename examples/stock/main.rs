@@ -25,7 +25,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::{AmqpConfig, Topology};
-use idem::commands::requeue::{self, RequeueConfig};
+use idem::commands::dlq::{self, Action, DlqConfig, Filter, Printed, View};
 use idem::duration;
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
 use idem::secret::SecretUrl;
@@ -155,16 +155,28 @@ async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
         }
         "worker" => Worker::new(config, Stock).run(shutdown).await?,
         "requeue" => {
-            let requeue = RequeueConfig {
+            let dead_letters = DlqConfig {
                 amqp: config.amqp,
                 database: config.database,
                 consumer_group: config.consumer_group,
                 dead_letter_queue: config.topology.dead_letter_queue,
+                filter: Filter::default(),
                 limit: None,
-                dry_run: false,
                 patience: config.startup_timeout,
             };
-            println!("{}", requeue::run(&requeue, &Stock, &shutdown).await?);
+            let replay = Action::Replay {
+                rate: None,
+                include_invalid: true,
+            };
+            let report = dlq::run(&dead_letters, &replay, &Stock, &shutdown).await?;
+            let view = View::Listing;
+            println!(
+                "{}",
+                Printed {
+                    report: &report,
+                    view
+                }
+            );
         }
         other => anyhow::bail!("unknown command {other:?}: migrate, worker or requeue"),
     }

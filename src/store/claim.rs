@@ -16,6 +16,11 @@ const CLAIMED: &str = "\
         ON CONFLICT ON CONSTRAINT uk_event_consumer DO NOTHING \
         RETURNING event_id)";
 
+/// The event ids of `$1` recorded for consumer group `$2`: applied already.
+pub(super) const RECORDED: &str = "\
+    SELECT event_id FROM mq_consume_record \
+    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
+
 /// The claim of a transaction whose effect the handler applies afterwards,
 /// in the same transaction. Parameters as for [`CLAIMED`].
 pub(super) fn claim_statement() -> String {

@@ -1,6 +1,7 @@
 //! The failure ledger: how often each event's transaction genuinely failed
 //! for a consumer group, and why, last.
 
+use std::collections::HashMap;
 use std::time::SystemTime;
 
 use deadpool_postgres::GenericClient;
@@ -40,9 +41,9 @@ const EXHAUSTED: &str = "\
     SELECT event_id FROM mq_failure_ledger \
     WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]) AND failures >= $3";
 
-const ENTRY: &str = "\
-    SELECT failures, first_failed_at, last_failed_at, last_error FROM mq_failure_ledger \
-    WHERE event_id = $1 AND consumer_group = $2";
+const ENTRIES: &str = "\
+    SELECT event_id, failures, first_failed_at, last_failed_at, last_error \
+    FROM mq_failure_ledger WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
 
 pub(super) const RESET: &str = "\
     DELETE FROM mq_failure_ledger WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
@@ -76,23 +77,29 @@ pub(super) async fn exhausted(
     rows.iter().map(|row| row.try_get(0)).collect()
 }
 
-pub(super) async fn entry(
+/// The ledger's rows of `event_ids`, by event id.
+pub(super) async fn entries(
     client: &impl GenericClient,
-    event_id: &str,
+    event_ids: &[&str],
     consumer_group: &str,
-) -> Result<Option<LedgerEntry>, tokio_postgres::Error> {
-    let row = client
-        .query_opt(ENTRY, &[&event_id, &consumer_group])
+) -> Result<HashMap<String, LedgerEntry>, tokio_postgres::Error> {
+    let statement = client.prepare_cached(ENTRIES).await?;
+    let rows = client
+        .query(&statement, &[&event_ids, &consumer_group])
         .await?;
-    row.map(|row| {
-        Ok(LedgerEntry {
-            failures: row.try_get(0)?,
-            first_failed_at: row.try_get(1)?,
-            last_failed_at: row.try_get(2)?,
-            last_error: row.try_get(3)?,
+    rows.iter()
+        .map(|row| {
+            Ok((
+                row.try_get(0)?,
+                LedgerEntry {
+                    failures: row.try_get(1)?,
+                    first_failed_at: row.try_get(2)?,
+                    last_failed_at: row.try_get(3)?,
+                    last_error: row.try_get(4)?,
+                },
+            ))
         })
-    })
-    .transpose()
+        .collect()
 }
 
 /// Forgets the failures of `event_ids`: they are being applied, or replayed

@@ -9,6 +9,7 @@ mod failure;
 mod ledger;
 pub mod migrate;
 
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -409,10 +410,32 @@ impl Store {
         Ok(ledger::exhausted(&client, event_ids, &self.consumer_group, max).await?)
     }
 
-    /// The recorded failures of `event_id`, if any.
-    pub async fn ledger_entry(&self, event_id: &str) -> Result<Option<LedgerEntry>, StoreError> {
+    /// The recorded failures of each of `event_ids` that has some.
+    pub async fn ledger_entries(
+        &self,
+        event_ids: &[&str],
+    ) -> Result<HashMap<String, LedgerEntry>, StoreError> {
+        if event_ids.is_empty() {
+            return Ok(HashMap::new());
+        }
         let client = self.pool.get().await?;
-        Ok(ledger::entry(&client, event_id, &self.consumer_group).await?)
+        Ok(ledger::entries(&client, event_ids, &self.consumer_group).await?)
+    }
+
+    /// Which of `event_ids` this consumer group applied already.
+    pub async fn recorded(&self, event_ids: &[&str]) -> Result<HashSet<String>, StoreError> {
+        if event_ids.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let client = self.pool.get().await?;
+        let statement = client.prepare_cached(claim::RECORDED).await?;
+        let rows = client
+            .query(&statement, &[&event_ids, &self.consumer_group])
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?)
     }
 
     /// Forgets the failures of `event_ids`: a replay starts a fresh budget.

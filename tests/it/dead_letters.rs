@@ -6,22 +6,32 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::death::REPLAY_HEADER;
-use idem::commands::requeue::{self, RequeueConfig};
+use idem::commands::dlq::{self, Action, DlqConfig, Filter, Printed, Report, View};
 use idem::points::{PaymentSucceeded, Points};
 
 use crate::helpers::{GROUP, RunningWorker, TestEnv, patient, wait_for};
 use idem::worker::Mode;
 
-fn requeue_config(env: &TestEnv, dry_run: bool) -> RequeueConfig {
-    RequeueConfig {
+fn dlq_config(env: &TestEnv) -> DlqConfig {
+    DlqConfig {
         amqp: env.amqp.clone(),
         database: env.database.clone(),
         consumer_group: GROUP.into(),
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
+        filter: Filter::default(),
         limit: None,
-        dry_run,
         patience: patient(Duration::from_secs(5)),
     }
+}
+
+/// What `idem requeue` does: every dead letter, invalid ones too.
+const REPLAY_ALL: Action = Action::Replay {
+    rate: None,
+    include_invalid: true,
+};
+
+async fn run(config: &DlqConfig, action: &Action) -> anyhow::Result<Report> {
+    dlq::run(config, action, &Points, &CancellationToken::new()).await
 }
 
 async fn invalid_messages_are_dead_lettered_at_once_and_the_worker_goes_on(
@@ -159,37 +169,38 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     // The worker dead-lettered it itself, long before the broker's backstop.
     assert_eq!(death.reason, "rejected");
 
-    // A dry run lists it with its last error and moves nothing.
-    let listed = requeue::run(
-        &requeue_config(&env, true),
-        &Points,
-        &CancellationToken::new(),
-    )
-    .await?;
+    // A listing shows it with its last error and moves nothing.
+    let listed = run(&dlq_config(&env), &Action::List).await?;
     assert_eq!(listed.listed.len(), 1);
-    assert_eq!(listed.listed[0].event_id, "payment-success-50001");
+    assert_eq!(
+        listed.listed[0].event_id.as_deref(),
+        Some("payment-success-50001")
+    );
+    assert_eq!(
+        listed.listed[0].applied,
+        Some(false),
+        "a replay would apply it"
+    );
     let failures = listed.listed[0]
         .failures
         .clone()
         .ok_or_else(|| anyhow::anyhow!("no ledger entry listed"))?;
     assert_eq!(failures.failures, 5);
+    let printed = Printed {
+        report: &listed,
+        view: View::Listing,
+    }
+    .to_string();
     assert!(
-        listed
-            .to_string()
-            .contains("last error: order 50001 is poisoned"),
-        "{listed}"
+        printed.contains("last error: order 50001 is poisoned"),
+        "{printed}"
     );
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 1);
 
     // Fixed: the replay gets a fresh budget and is applied, once.
     env.sql("DROP TRIGGER poison ON user_points").await?;
-    let replayed = requeue::run(
-        &requeue_config(&env, false),
-        &Points,
-        &CancellationToken::new(),
-    )
-    .await?;
-    assert!(replayed.succeeded(), "{replayed}");
+    let replayed = run(&dlq_config(&env), &REPLAY_ALL).await?;
+    assert!(replayed.succeeded(), "{replayed:?}");
     assert_eq!(replayed.replayed.len(), 1);
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
     let ledger_rows: i64 = client
@@ -204,12 +215,7 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     assert_eq!(env.points("50001").await?, 70);
 
     // Nothing left: a second requeue replays nothing.
-    let again = requeue::run(
-        &requeue_config(&env, false),
-        &Points,
-        &CancellationToken::new(),
-    )
-    .await?;
+    let again = run(&dlq_config(&env), &REPLAY_ALL).await?;
     assert_eq!((again.replayed.len(), again.failed.len()), (0, 0));
     Ok(())
 }
@@ -236,12 +242,7 @@ async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queu
         "the other queue got the original"
     );
 
-    let report = requeue::run(
-        &requeue_config(&env, false),
-        &Points,
-        &CancellationToken::new(),
-    )
-    .await?;
+    let report = run(&dlq_config(&env), &REPLAY_ALL).await?;
     assert_eq!(report.replayed.len(), 1);
     assert_eq!(
         env.ready(&env.topology.queue).await?,
@@ -319,12 +320,12 @@ async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_r
     };
     assert_eq!(ledger().await?.len(), total as usize, "one ledger row each");
 
-    let config = RequeueConfig {
+    let config = DlqConfig {
         limit: Some(limit),
-        ..requeue_config(&env, false)
+        ..dlq_config(&env)
     };
-    let report = requeue::run(&config, &Points, &CancellationToken::new()).await?;
-    assert!(report.succeeded(), "{report}");
+    let report = run(&config, &REPLAY_ALL).await?;
+    assert!(report.succeeded(), "{report:?}");
     assert_eq!(report.replayed.len(), limit);
 
     let body_ids = |letters: Vec<crate::helpers::DeadLetter>| -> anyhow::Result<Vec<String>> {

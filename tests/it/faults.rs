@@ -411,20 +411,25 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     worker.stop().await?;
 
     let broker = Proxy::start(rabbitmq()?).await?;
-    let config = idem::commands::requeue::RequeueConfig {
+    let config = idem::commands::dlq::DlqConfig {
         amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
             env.amqp_url_via(broker.port),
         )),
         database: env.database.clone(),
         consumer_group: GROUP.into(),
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
+        filter: Default::default(),
         limit: None,
-        dry_run: false,
         patience: patient(Duration::from_secs(20)),
     };
     let replaying = tokio::spawn(async move {
-        idem::commands::requeue::run(
+        let replay_all = idem::commands::dlq::Action::Replay {
+            rate: None,
+            include_invalid: true,
+        };
+        idem::commands::dlq::run(
             &config,
+            &replay_all,
             &idem::points::Points,
             &tokio_util::sync::CancellationToken::new(),
         )
@@ -438,7 +443,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     .await?;
     broker.cut();
     let report = replaying.await??;
-    assert!(report.succeeded(), "{report}");
+    assert!(report.succeeded(), "{report:?}");
     assert_eq!(report.reconnects, 1, "the cut landed mid-way");
     // A replay confirmed but whose ack the cut lost is replayed again.
     assert!(

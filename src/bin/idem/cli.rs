@@ -11,8 +11,8 @@ use clap::{Args, Parser, Subcommand};
 
 use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
+use idem::commands::dlq::{Action, DlqConfig, Filter, View};
 use idem::commands::publish::{PublishConfig, Source};
-use idem::commands::requeue::RequeueConfig;
 use idem::duration;
 use idem::generate::LoadSpec;
 use idem::points::{self, PaymentSucceeded};
@@ -59,8 +59,12 @@ pub(crate) enum Command {
     Worker(WorkerArgs),
     /// Publish events with publisher confirms; exits 1 if any is nacked or returned.
     Publish(PublishArgs),
-    /// Replay dead-lettered messages to the queue they died in.
+    /// Replay dead-lettered messages to the queue they died in (all of them;
+    /// `idem dlq` filters).
     Requeue(RequeueArgs),
+    /// Dead-letter triage: a summary, a listing, a replay or a discard, of
+    /// the dead letters that match the filters.
+    Dlq(DlqArgs),
     /// Run the whole story on local services, on data of its own, and report.
     Demo,
     /// Measure throughput against the broker's ceiling, on data of its own.
@@ -258,6 +262,75 @@ pub(crate) struct RequeueArgs {
     /// List what would be replayed (event, reason, count, time); move nothing.
     #[arg(long)]
     pub(crate) dry_run: bool,
+}
+
+/// `idem dlq`.
+#[derive(Debug, Args)]
+pub(crate) struct DlqArgs {
+    #[command(subcommand)]
+    pub(crate) action: DlqAction,
+}
+
+/// What to do with the dead letters that match.
+#[derive(Debug, Subcommand)]
+pub(crate) enum DlqAction {
+    /// Count them per reason and per last error, oldest and newest; move nothing.
+    Summary(FilterArgs),
+    /// List them, each with what a replay would do and the ledger's count
+    /// and last error; move nothing.
+    List(FilterArgs),
+    /// Send them back to the queue each died in, with a fresh budget;
+    /// bodies the handler cannot decode stay, unless --include-invalid.
+    Replay(ReplayArgs),
+    /// Remove them, each written first to a JSON-lines file that is synced
+    /// before the message is acked.
+    Discard(DiscardArgs),
+}
+
+/// Which dead letters: every filter given must hold.
+#[derive(Debug, Args)]
+pub(crate) struct FilterArgs {
+    /// The reason of the latest death: rejected, delivery_limit, expired…
+    #[arg(long)]
+    pub(crate) reason: Option<String>,
+    /// This event only.
+    #[arg(long)]
+    pub(crate) event_id: Option<String>,
+    /// Part of the failure ledger's last error (or of why the body is invalid).
+    #[arg(long)]
+    pub(crate) error: Option<String>,
+    /// Died longer ago than this (e.g. 1h).
+    #[arg(long)]
+    pub(crate) older_than: Option<Wait>,
+    /// Died within this (e.g. 10m).
+    #[arg(long)]
+    pub(crate) newer_than: Option<Wait>,
+    /// Act on at most this many of those that match.
+    #[arg(long)]
+    pub(crate) limit: Option<usize>,
+}
+
+/// `idem dlq replay`.
+#[derive(Debug, Args)]
+pub(crate) struct ReplayArgs {
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
+    /// At most this many replays per second.
+    #[arg(long, value_parser = parse_rate)]
+    pub(crate) rate: Option<f64>,
+    /// Replay bodies the handler cannot decode too (they die again at once).
+    #[arg(long)]
+    pub(crate) include_invalid: bool,
+}
+
+/// `idem dlq discard`.
+#[derive(Debug, Args)]
+pub(crate) struct DiscardArgs {
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
+    /// The JSON-lines file the discarded messages are appended to.
+    #[arg(long)]
+    pub(crate) to: PathBuf,
 }
 
 /// `idem bench`.
@@ -542,17 +615,83 @@ impl Cli {
         })
     }
 
-    /// Settings of `idem requeue`.
-    pub(crate) fn requeue(&self, args: &RequeueArgs) -> Result<RequeueConfig, SettingError> {
-        Ok(RequeueConfig {
+    /// The dead-letter queue, with `filter` and `limit`.
+    fn dlq(&self, filter: Filter, limit: Option<usize>) -> Result<DlqConfig, SettingError> {
+        Ok(DlqConfig {
             amqp: self.amqp(),
             database: self.database(2),
             consumer_group: self.consumer_group()?,
             dead_letter_queue: self.topology.dead_letter_queue.clone(),
-            limit: args.limit,
-            dry_run: args.dry_run,
+            filter,
+            limit,
             patience: self.services.startup_timeout.0,
         })
+    }
+
+    /// Settings of `idem requeue`: every dead letter, invalid ones too.
+    pub(crate) fn requeue(
+        &self,
+        args: &RequeueArgs,
+    ) -> Result<(DlqConfig, Action, View), SettingError> {
+        let action = if args.dry_run {
+            Action::List
+        } else {
+            Action::Replay {
+                rate: None,
+                include_invalid: true,
+            }
+        };
+        Ok((
+            self.dlq(Filter::default(), args.limit)?,
+            action,
+            View::Listing,
+        ))
+    }
+
+    /// Settings of `idem dlq`.
+    pub(crate) fn dead_letters(
+        &self,
+        args: &DlqArgs,
+    ) -> Result<(DlqConfig, Action, View), SettingError> {
+        let (filter, action, view) = match &args.action {
+            DlqAction::Summary(filter) => (filter, Action::List, View::Summary),
+            DlqAction::List(filter) => (filter, Action::List, View::Listing),
+            DlqAction::Replay(replay) => (
+                &replay.filter,
+                Action::Replay {
+                    rate: replay.rate,
+                    include_invalid: replay.include_invalid,
+                },
+                View::Listing,
+            ),
+            DlqAction::Discard(discard) => (
+                &discard.filter,
+                Action::Discard {
+                    file: discard.to.clone(),
+                },
+                View::Listing,
+            ),
+        };
+        let config = self.dlq(
+            Filter {
+                reason: filter.reason.clone(),
+                event_id: filter.event_id.clone(),
+                error: filter.error.clone(),
+                older_than: filter.older_than.map(|wait| wait.0),
+                newer_than: filter.newer_than.map(|wait| wait.0),
+            },
+            filter.limit,
+        )?;
+        Ok((config, action, view))
+    }
+}
+
+fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(rate) if rate > 0.0 && rate.is_finite() => Ok(rate),
+        _ => Err(format!(
+            "'{text}' is not a rate above 0 (messages per second)"
+        )),
     }
 }
 

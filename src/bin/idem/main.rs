@@ -14,7 +14,8 @@ use tracing::{error, warn};
 mod cli;
 
 use cli::{Cli, Command};
-use idem::commands::{bench, demo, publish, requeue};
+use idem::commands::dlq::{self, Printed};
+use idem::commands::{bench, demo, publish};
 use idem::points::Points;
 use idem::store::migrate;
 use idem::telemetry;
@@ -99,11 +100,12 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Requeue(args) => {
-            let report = requeue::run(&cli.requeue(args)?, &Points, &shutdown).await?;
-            println!("{report}");
-            if !report.succeeded() {
-                return Ok(ExitCode::FAILURE);
-            }
+            let (config, action, view) = cli.requeue(args)?;
+            return dead_letters(&config, &action, view, &shutdown).await;
+        }
+        Command::Dlq(args) => {
+            let (config, action, view) = cli.dead_letters(args)?;
+            return dead_letters(&config, &action, view, &shutdown).await;
         }
         Command::Bench(args) => {
             let report = bench::run(&cli.bench(args)?, &shutdown).await?;
@@ -115,6 +117,29 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `idem dlq` (or `requeue`) with the points handler and prints what it
+/// did; exit code 1 when something could not be replayed.
+async fn dead_letters(
+    config: &dlq::DlqConfig,
+    action: &dlq::Action,
+    view: dlq::View,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ExitCode> {
+    let report = dlq::run(config, action, &Points, shutdown).await?;
+    println!(
+        "{}",
+        Printed {
+            report: &report,
+            view
+        }
+    );
+    Ok(if report.succeeded() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// The error and its causes on one line, without the repetition that comes

@@ -1,0 +1,1038 @@
+//! Dead-letter triage: see what is in the dead-letter queue (a summary, a
+//! filtered listing that says what a replay would do), replay what is worth
+//! replaying, discard what is not.
+//!
+//! Nothing is lost: a dead-letter copy is acked only after its replay is
+//! confirmed, or after the file it is discarded into is synced. Interrupted
+//! at any moment, a message is at worst both replayed (or written) and still
+//! dead-lettered; a replayed duplicate is absorbed by the consume record.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use base64::Engine;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use lapin::types::{AMQPValue, DeliveryTag, FieldTable};
+use lapin::{BasicProperties, Channel};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use crate::broker::death::{Death, replay_headers, replays};
+use crate::broker::{
+    AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
+    settle,
+};
+use crate::handler::Handler;
+use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
+
+/// Which dead-letter queue, and how to reach the failure ledger.
+#[derive(Debug, Clone)]
+pub struct DlqConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// The database holding the failure ledger and the consume records.
+    pub database: DatabaseConfig,
+    /// Whose ledger and records: the consumer group of the work queue.
+    pub consumer_group: String,
+    /// The dead-letter queue.
+    pub dead_letter_queue: String,
+    /// Which messages to act on.
+    pub filter: Filter,
+    /// Act on at most this many (of those that match).
+    pub limit: Option<usize>,
+    /// How long to keep trying to (re)connect.
+    pub patience: Duration,
+}
+
+/// Which dead letters an action takes; every part must hold. The default
+/// takes them all.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// The reason of its latest death: `rejected`, `delivery_limit`, `expired`…
+    pub reason: Option<String>,
+    /// Its event id.
+    pub event_id: Option<String>,
+    /// Part of the ledger's last error (or, for a body the handler cannot
+    /// decode, of why).
+    pub error: Option<String>,
+    /// Died longer ago than this.
+    pub older_than: Option<Duration>,
+    /// Died within this.
+    pub newer_than: Option<Duration>,
+}
+
+/// What to do with the dead letters that match.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Look: a listing (or a summary of it); nothing moves.
+    List,
+    /// Send each back to the queue it died in, with a fresh budget.
+    Replay {
+        /// At most this many replays per second.
+        rate: Option<f64>,
+        /// Replay bodies the handler cannot decode too (they die again at
+        /// once); by default they stay where they are.
+        include_invalid: bool,
+    },
+    /// Remove, each written first to this JSON-lines file (appended,
+    /// synced before the message is acked).
+    Discard {
+        /// The file.
+        file: PathBuf,
+    },
+}
+
+/// One dead letter, as an operator needs to see it.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// Its event id, when the body is a valid event.
+    pub event_id: Option<String>,
+    /// Why the handler cannot decode it, and how the body starts, when it
+    /// cannot.
+    pub invalid: Option<String>,
+    /// Its latest death, if the broker recorded one.
+    pub death: Option<Death>,
+    /// How many times it was replayed before.
+    pub replays: i64,
+    /// What the failure ledger knows of it.
+    pub failures: Option<LedgerEntry>,
+    /// Whether this consumer group applied it already (a replay would only
+    /// be acked as a duplicate); unknown for an invalid body or when the
+    /// database could not be read.
+    pub applied: Option<bool>,
+}
+
+/// What a run did.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// The queue.
+    pub queue: String,
+    /// Dead letters looked at.
+    pub seen: usize,
+    /// Those that matched, when listing.
+    pub listed: Vec<Entry>,
+    /// Replayed and removed from the dead-letter queue.
+    pub replayed: Vec<Entry>,
+    /// Written to the file and removed from the dead-letter queue.
+    pub discarded: Vec<Entry>,
+    /// The file discards went to.
+    pub file: Option<PathBuf>,
+    /// Matched, but left where they are: invalid bodies a replay skips.
+    pub skipped_invalid: usize,
+    /// Could not be replayed, and why; they stay.
+    pub failed: Vec<(Entry, String)>,
+    /// Why the ledger or the consume records could not be read, if they
+    /// could not.
+    pub ledger_unavailable: Option<String>,
+    /// Connections lost and reopened on the way.
+    pub reconnects: usize,
+}
+
+impl Report {
+    /// True when everything that was attempted succeeded.
+    pub fn succeeded(&self) -> bool {
+        self.failed.is_empty()
+    }
+}
+
+/// Runs `action` over the dead letters that are in the queue when it starts
+/// and match the filter, up to the limit. `handler` reads each body's event
+/// id.
+pub async fn run<H: Handler>(
+    config: &DlqConfig,
+    action: &Action,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Report> {
+    let mut report = Report {
+        queue: config.dead_letter_queue.clone(),
+        file: match action {
+            Action::Discard { file } => Some(file.clone()),
+            _ => None,
+        },
+        ..Report::default()
+    };
+    let mut discards = match action {
+        Action::Discard { file } => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(file)
+                .with_context(|| format!("cannot open {} to discard into", file.display()))?,
+        ),
+        _ => None,
+    };
+    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    let mut reconnects = Reconnects::new(config.patience, "working through dead letters");
+    loop {
+        let done = report.replayed.len() + report.discarded.len() + report.listed.len();
+        let connection =
+            connect_with_retry(&config.amqp, "idem dlq", config.patience, shutdown).await?;
+        let pass = Pass {
+            config,
+            action,
+            handler,
+            store: &store,
+            discards: discards.as_mut(),
+            report: &mut report,
+            held: Vec::new(),
+        };
+        let result = pass.run(&connection, shutdown).await;
+        close(&connection).await;
+        match result {
+            Ok(()) => return Ok(report),
+            Err(PassError::Ledger(error)) => {
+                return Err(anyhow::Error::new(error).context(
+                    "cannot reset the failure ledger before a replay (what was not replayed \
+                     is still in the dead-letter queue)",
+                ));
+            }
+            Err(PassError::File(error)) => {
+                return Err(error.context(
+                    "cannot write the discarded messages (what was not written is still in \
+                     the dead-letter queue)",
+                ));
+            }
+            Err(PassError::Broker(error)) if shutdown.is_cancelled() => {
+                warn!(%error, "interrupted");
+                return Ok(report);
+            }
+            Err(PassError::Broker(error)) => {
+                let progressed =
+                    report.replayed.len() + report.discarded.len() + report.listed.len() > done;
+                reconnects
+                    .after(&error, progressed, shutdown)
+                    .await
+                    .context("cannot work through the dead-letter queue (nothing was lost)")?;
+                report.reconnects += 1;
+            }
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PassError {
+    #[error(transparent)]
+    Broker(#[from] lapin::Error),
+    #[error(transparent)]
+    Ledger(#[from] StoreError),
+    #[error(transparent)]
+    File(anyhow::Error),
+}
+
+/// Most dead letters taken before they are acted on: one ledger statement,
+/// one file sync, one wait for confirms per chunk.
+const CHUNK: usize = 128;
+
+/// A dead letter taken from the queue, not acked yet.
+struct Letter {
+    tag: DeliveryTag,
+    delivery: Delivery,
+    entry: Entry,
+}
+
+/// One connection's worth of work.
+struct Pass<'a, H> {
+    config: &'a DlqConfig,
+    action: &'a Action,
+    handler: &'a H,
+    store: &'a Store,
+    discards: Option<&'a mut std::fs::File>,
+    report: &'a mut Report,
+    /// Tags of messages taken but left in the queue.
+    held: Vec<DeliveryTag>,
+}
+
+impl<H: Handler> Pass<'_, H> {
+    async fn run(
+        mut self,
+        connection: &lapin::Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PassError> {
+        let getter = connection.create_channel().await?;
+        let publisher = match self.action {
+            Action::Replay { .. } => Some(ConfirmChannel::open(connection).await?),
+            _ => None,
+        };
+        // Each pass looks again: what an earlier one held, or acted on
+        // without its ack reaching the broker, is back.
+        self.report.seen = 0;
+        self.report.listed.clear();
+        self.report.failed.clear();
+        self.report.skipped_invalid = 0;
+        let mut pacer = self.action.pacer();
+        // At most what is in the queue when the pass starts: what dies while
+        // it runs (a replay that fails again, say) is for the next run.
+        let mut in_queue = None;
+        while !shutdown.is_cancelled() && self.wanted() != Some(0) {
+            let mut chunk = Vec::new();
+            while chunk.len() < CHUNK && in_queue != Some(0) {
+                let Some(message) = getter
+                    .basic_get(
+                        self.config.dead_letter_queue.as_str().into(),
+                        BasicGetOptions { no_ack: false },
+                    )
+                    .await?
+                else {
+                    in_queue = Some(0);
+                    break;
+                };
+                let left = in_queue.get_or_insert(message.message_count as usize + 1);
+                *left -= 1;
+                self.report.seen += 1;
+                chunk.push(self.letter(message.delivery));
+            }
+            if chunk.is_empty() {
+                break;
+            }
+            self.look_up(&mut chunk).await;
+            let matched = self.matching(chunk);
+            match self.action {
+                Action::List => {
+                    for letter in matched {
+                        self.held.push(letter.tag);
+                        self.report.listed.push(letter.entry);
+                    }
+                }
+                Action::Replay {
+                    include_invalid, ..
+                } => {
+                    let (valid, invalid): (Vec<_>, Vec<_>) = matched
+                        .into_iter()
+                        .partition(|letter| letter.entry.event_id.is_some());
+                    let mut replay = valid;
+                    if *include_invalid {
+                        replay.extend(invalid);
+                    } else {
+                        self.report.skipped_invalid += invalid.len();
+                        self.held.extend(invalid.iter().map(|letter| letter.tag));
+                    }
+                    if let Some(publisher) = &publisher {
+                        self.replay(&getter, publisher, replay, &mut pacer).await?;
+                    }
+                }
+                Action::Discard { .. } => self.discard(&getter, matched).await?,
+            }
+            if in_queue == Some(0) {
+                break;
+            }
+        }
+        if let Some(&last) = self.held.iter().max() {
+            // Give back, in their places, what was listed, skipped or not
+            // replayed.
+            getter
+                .basic_nack(
+                    last,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        close_channel(&getter).await;
+        if let Some(publisher) = &publisher {
+            close_channel(publisher.channel()).await;
+        }
+        Ok(())
+    }
+
+    /// How many more may be acted on; `None` without a limit.
+    fn wanted(&self) -> Option<usize> {
+        let acted = self.report.listed.len()
+            + self.report.replayed.len()
+            + self.report.discarded.len()
+            + self.report.skipped_invalid
+            + self.report.failed.len();
+        self.config.limit.map(|limit| limit.saturating_sub(acted))
+    }
+
+    fn letter(&self, delivery: Delivery) -> Letter {
+        let headers = delivery.properties.headers().as_ref();
+        let (event_id, invalid) = match event_id(self.handler, &delivery.data) {
+            Ok(id) => (Some(id), None),
+            Err(why) => (None, Some(why)),
+        };
+        Letter {
+            tag: delivery.delivery_tag,
+            entry: Entry {
+                event_id,
+                invalid,
+                death: Death::latest(headers),
+                replays: replays(headers),
+                failures: None,
+                applied: None,
+            },
+            delivery,
+        }
+    }
+
+    /// Fills in what the ledger and the consume records know of `chunk`'s
+    /// events: one statement each for the chunk. When the database cannot
+    /// be read, says so once and goes on without.
+    async fn look_up(&mut self, chunk: &mut [Letter]) {
+        let ids: Vec<&str> = chunk
+            .iter()
+            .filter_map(|letter| letter.entry.event_id.as_deref())
+            .collect();
+        let found = async {
+            let ledger = self.store.ledger_entries(&ids).await?;
+            let recorded = self.store.recorded(&ids).await?;
+            Ok::<_, StoreError>((ledger, recorded))
+        }
+        .await;
+        let (mut ledger, recorded): (HashMap<String, LedgerEntry>, HashSet<String>) = match found {
+            Ok(found) => found,
+            Err(error) => {
+                self.report
+                    .ledger_unavailable
+                    .get_or_insert_with(|| error.to_string());
+                return;
+            }
+        };
+        for letter in chunk {
+            if let Some(id) = &letter.entry.event_id {
+                letter.entry.failures = ledger.remove(id);
+                letter.entry.applied = Some(recorded.contains(id));
+            }
+        }
+    }
+
+    /// The letters that match the filter, up to the limit; the others are
+    /// held.
+    fn matching(&mut self, chunk: Vec<Letter>) -> Vec<Letter> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let mut wanted = self.wanted();
+        let mut matched = Vec::new();
+        for letter in chunk {
+            if wanted != Some(0) && self.config.filter.matches(&letter.entry, now) {
+                wanted = wanted.map(|n| n - 1);
+                matched.push(letter);
+            } else {
+                self.held.push(letter.tag);
+            }
+        }
+        matched
+    }
+
+    /// Resets the ledger of the letters' events, sends their replays (at
+    /// the pacer's rate), and acks each dead-letter copy whose replay the
+    /// broker confirmed.
+    async fn replay(
+        &mut self,
+        getter: &Channel,
+        publisher: &ConfirmChannel,
+        letters: Vec<Letter>,
+        pacer: &mut Option<Pacer>,
+    ) -> Result<(), PassError> {
+        // A replay starts a fresh budget of attempts: the reset goes first.
+        let ids: Vec<&str> = letters
+            .iter()
+            .filter_map(|letter| letter.entry.event_id.as_deref())
+            .collect();
+        self.store.reset_ledger(&ids).await?;
+        let mut sent = Vec::with_capacity(letters.len());
+        for letter in letters {
+            let Some(queue) = letter.entry.death.as_ref().map(|d| d.queue.clone()) else {
+                self.report.failed.push((
+                    letter.entry,
+                    "no x-death header: cannot tell which queue it died in".into(),
+                ));
+                self.held.push(letter.tag);
+                continue;
+            };
+            let properties = letter
+                .delivery
+                .properties
+                .clone()
+                .with_headers(replay_headers(
+                    letter.delivery.properties.headers().as_ref(),
+                ));
+            let message = Outgoing {
+                // The default exchange routes by queue name: the replay goes
+                // to the queue it died in, not to every queue bound for it.
+                exchange: String::new(),
+                routing_key: queue,
+                body: letter.delivery.data,
+                properties,
+            };
+            if let Some(pacer) = pacer {
+                pacer.wait().await;
+            }
+            let confirm = publisher.send(&message).await?;
+            sent.push((letter.tag, letter.entry, message.routing_key, confirm));
+        }
+        for (tag, entry, queue, confirm) in sent {
+            match settle(confirm).await? {
+                Ok(()) => {
+                    getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                    self.report.replayed.push(entry);
+                }
+                Err(refusal) => {
+                    self.report
+                        .failed
+                        .push((entry, format!("replay to queue '{queue}' {refusal}")));
+                    self.held.push(tag);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the letters to the discard file, syncs it, then acks each.
+    async fn discard(&mut self, getter: &Channel, letters: Vec<Letter>) -> Result<(), PassError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let Some(file) = self.discards.as_deref_mut() else {
+            unreachable!("a discard opens its file before the pass");
+        };
+        let mut lines = Vec::new();
+        for letter in &letters {
+            serde_json::to_writer(&mut lines, &discarded(&self.report.queue, letter))
+                .map_err(|e| PassError::File(e.into()))?;
+            lines.push(b'\n');
+        }
+        file.write_all(&lines)
+            .and_then(|()| file.sync_data())
+            .map_err(|e| PassError::File(e.into()))?;
+        for letter in letters {
+            getter
+                .basic_ack(letter.tag, BasicAckOptions::default())
+                .await?;
+            self.report.discarded.push(letter.entry);
+        }
+        Ok(())
+    }
+}
+
+impl Filter {
+    /// True when `entry` passes every part of the filter; `now` in seconds
+    /// since the Unix epoch.
+    pub fn matches(&self, entry: &Entry, now: u64) -> bool {
+        let death = entry.death.as_ref();
+        let time = death.and_then(|death| death.time);
+        let reason = self
+            .reason
+            .as_ref()
+            .is_none_or(|reason| death.is_some_and(|death| &death.reason == reason));
+        let event_id = self
+            .event_id
+            .as_ref()
+            .is_none_or(|id| entry.event_id.as_ref() == Some(id));
+        let error = self.error.as_ref().is_none_or(|part| {
+            let failure = entry.failures.as_ref().map(|f| f.last_error.as_str());
+            failure
+                .or(entry.invalid.as_deref())
+                .is_some_and(|text| text.contains(part.as_str()))
+        });
+        let age = |limit: &Duration| time.map(|time| now.saturating_sub(time) > limit.as_secs());
+        let older = self
+            .older_than
+            .as_ref()
+            .is_none_or(|limit| age(limit) == Some(true));
+        let newer = self
+            .newer_than
+            .as_ref()
+            .is_none_or(|limit| age(limit) == Some(false));
+        reason && event_id && error && older && newer
+    }
+}
+
+/// Paces replays to a rate.
+struct Pacer {
+    interval: Duration,
+    next: Instant,
+}
+
+impl Action {
+    fn pacer(&self) -> Option<Pacer> {
+        match self {
+            Action::Replay {
+                rate: Some(rate), ..
+            } if *rate > 0.0 => Some(Pacer {
+                interval: Duration::from_secs_f64(1.0 / rate),
+                next: Instant::now(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl Pacer {
+    async fn wait(&mut self) {
+        tokio::time::sleep_until(self.next).await;
+        // Late (the broker was slow), it does not make up with a burst.
+        self.next = self.next.max(Instant::now()) + self.interval;
+    }
+}
+
+/// Most characters of an invalid body shown in its place.
+const BODY_SHOWN: usize = 80;
+
+/// The event id of a body the handler can apply; for one it cannot, why
+/// and how it starts.
+fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
+    let decoded = handler.decode(body).and_then(|event| {
+        let id = handler.event_id(&event);
+        crate::handler::check_event_id(id).map(|()| id.to_owned())
+    });
+    decoded.map_err(|invalid| {
+        let text = String::from_utf8_lossy(body);
+        let mut start: String = text.chars().take(BODY_SHOWN).collect();
+        if text.chars().nth(BODY_SHOWN).is_some() {
+            start.push('…');
+        }
+        format!("{invalid}; the body starts {start:?}")
+    })
+}
+
+/// What the discard file keeps of a letter: everything needed to publish it
+/// again by hand.
+fn discarded(queue: &str, letter: &Letter) -> Value {
+    let entry = &letter.entry;
+    let properties = &letter.delivery.properties;
+    let body = &letter.delivery.data;
+    let mut line = json!({
+        "discarded_at": rfc3339(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs()),
+        "dead_letter_queue": queue,
+        "event_id": entry.event_id,
+        "invalid": entry.invalid,
+        "death": entry.death.as_ref().map(|death| json!({
+            "queue": death.queue,
+            "reason": death.reason,
+            "count": death.count,
+            "time": death.time.map(rfc3339),
+            "exchange": death.exchange,
+            "routing_keys": death.routing_keys,
+        })),
+        "replays": entry.replays,
+        "failures": entry.failures.as_ref().map(|f| f.failures),
+        "last_error": entry.failures.as_ref().map(|f| f.last_error.clone()),
+        "properties": properties_json(properties),
+    });
+    let body = match std::str::from_utf8(body) {
+        Ok(text) => ("body", Value::String(text.to_owned())),
+        Err(_) => (
+            "body_base64",
+            Value::String(base64::engine::general_purpose::STANDARD.encode(body)),
+        ),
+    };
+    if let Value::Object(fields) = &mut line {
+        fields.insert(body.0.to_owned(), body.1);
+    }
+    line
+}
+
+fn properties_json(properties: &BasicProperties) -> Value {
+    json!({
+        "content_type": properties.content_type().as_ref().map(|v| v.to_string()),
+        "message_id": properties.message_id().as_ref().map(|v| v.to_string()),
+        "timestamp": properties.timestamp(),
+        "app_id": properties.app_id().as_ref().map(|v| v.to_string()),
+        "headers": properties.headers().as_ref().map(table_json),
+    })
+}
+
+fn table_json(table: &FieldTable) -> Value {
+    Value::Object(
+        table
+            .inner()
+            .iter()
+            .map(|(key, value)| (key.to_string(), value_json(value)))
+            .collect(),
+    )
+}
+
+fn value_json(value: &AMQPValue) -> Value {
+    match value {
+        AMQPValue::Boolean(b) => json!(b),
+        AMQPValue::ShortShortInt(n) => json!(n),
+        AMQPValue::ShortShortUInt(n) => json!(n),
+        AMQPValue::ShortInt(n) => json!(n),
+        AMQPValue::ShortUInt(n) => json!(n),
+        AMQPValue::LongInt(n) => json!(n),
+        AMQPValue::LongUInt(n) => json!(n),
+        AMQPValue::LongLongInt(n) => json!(n),
+        AMQPValue::Float(n) => json!(n),
+        AMQPValue::Double(n) => json!(n),
+        AMQPValue::Timestamp(t) => json!(t),
+        AMQPValue::ShortString(s) => json!(s.as_str()),
+        AMQPValue::LongString(s) => json!(s.to_string()),
+        AMQPValue::FieldArray(array) => {
+            Value::Array(array.as_slice().iter().map(value_json).collect())
+        }
+        AMQPValue::FieldTable(table) => table_json(table),
+        AMQPValue::Void => Value::Null,
+        other => json!(format!("{other:?}")),
+    }
+}
+
+/// `text` with its control characters escaped (`\u{1b}`, `\0`), so that a
+/// body or an id cannot drive the terminal it is printed on.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    std::borrow::Cow::Owned(
+        text.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_debug().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect(),
+    )
+}
+
+impl fmt::Display for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.event_id, &self.invalid) {
+            (Some(id), _) => write!(f, "{}", printable(id))?,
+            (None, Some(why)) => write!(f, "(invalid: {})", printable(why))?,
+            (None, None) => write!(f, "(no event id)")?,
+        }
+        match &self.death {
+            Some(death) => {
+                write!(
+                    f,
+                    "  queue={} reason={} count={}",
+                    printable(&death.queue),
+                    printable(&death.reason),
+                    death.count
+                )?;
+                if let Some(time) = death.time {
+                    write!(f, " at={}", rfc3339(time))?;
+                }
+            }
+            None => write!(f, "  (no x-death header)")?,
+        }
+        if self.replays > 0 {
+            write!(f, " replays={}", self.replays)?;
+        }
+        match self.applied {
+            Some(false) => write!(f, "  a replay would apply it")?,
+            Some(true) => write!(
+                f,
+                "  applied already: a replay would be acked as a duplicate"
+            )?,
+            None => {}
+        }
+        if let Some(failures) = &self.failures {
+            write!(
+                f,
+                "\n    failed {} time(s), last error: {}",
+                failures.failures,
+                printable(&failures.last_error)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Report {
+    /// The listing's counts: per reason, per last error, oldest and newest.
+    pub fn summary(&self) -> Summary {
+        let mut summary = Summary::default();
+        for entry in &self.listed {
+            let reason = entry
+                .death
+                .as_ref()
+                .map_or_else(|| "(no x-death header)".to_owned(), |d| d.reason.clone());
+            *summary.reasons.entry(reason).or_default() += 1;
+            let error = match (&entry.failures, &entry.invalid) {
+                (Some(failures), _) => failures.last_error.clone(),
+                (None, Some(_)) => "(invalid body)".to_owned(),
+                (None, None) => "(no failure recorded)".to_owned(),
+            };
+            *summary.errors.entry(error).or_default() += 1;
+            if let Some(time) = entry.death.as_ref().and_then(|d| d.time) {
+                summary.oldest = Some(summary.oldest.map_or(time, |t| t.min(time)));
+                summary.newest = Some(summary.newest.map_or(time, |t| t.max(time)));
+            }
+            match entry.applied {
+                Some(false) => summary.would_apply += 1,
+                Some(true) => summary.applied += 1,
+                None => summary.unknown += 1,
+            }
+        }
+        summary
+    }
+
+    /// The dead letters replayed, per queue they went back to.
+    pub fn replayed_per_queue(&self) -> BTreeMap<&str, usize> {
+        let mut queues = BTreeMap::new();
+        for entry in &self.replayed {
+            if let Some(death) = &entry.death {
+                *queues.entry(death.queue.as_str()).or_default() += 1;
+            }
+        }
+        queues
+    }
+}
+
+/// A listing counted.
+#[derive(Debug, Default)]
+pub struct Summary {
+    /// Dead letters per reason of their latest death.
+    pub reasons: BTreeMap<String, usize>,
+    /// Dead letters per last error (or invalid body).
+    pub errors: BTreeMap<String, usize>,
+    /// The oldest death, in seconds since the Unix epoch.
+    pub oldest: Option<u64>,
+    /// The newest death.
+    pub newest: Option<u64>,
+    /// Valid events no consume record holds: a replay would apply them.
+    pub would_apply: usize,
+    /// Valid events applied already: a replay would be a duplicate.
+    pub applied: usize,
+    /// Invalid bodies, or events the database could not tell about.
+    pub unknown: usize,
+}
+
+/// How a report is printed: a listing, or its summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    /// One entry per line.
+    Listing,
+    /// Counts only.
+    Summary,
+}
+
+/// A report as `idem dlq` prints it.
+pub struct Printed<'a> {
+    /// The report.
+    pub report: &'a Report,
+    /// How.
+    pub view: View,
+}
+
+impl fmt::Display for Printed<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let report = self.report;
+        let queue = printable(&report.queue);
+        if !report.replayed.is_empty() || !report.failed.is_empty() {
+            let per_queue: Vec<String> = report
+                .replayed_per_queue()
+                .iter()
+                .map(|(queue, n)| format!("{n} to {}", printable(queue)))
+                .collect();
+            write!(
+                f,
+                "replayed {} message(s) from {queue}",
+                report.replayed.len()
+            )?;
+            if !per_queue.is_empty() {
+                write!(f, " ({})", per_queue.join(", "))?;
+            }
+        } else if let Some(file) = &report.file {
+            write!(
+                f,
+                "discarded {} message(s) from {queue} into {}",
+                report.discarded.len(),
+                file.display()
+            )?;
+        } else if self.view == View::Summary {
+            summarize(f, report)?;
+        } else {
+            write!(
+                f,
+                "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
+                report.listed.len(),
+                report.seen
+            )?;
+            for entry in &report.listed {
+                write!(f, "\n  {entry}")?;
+            }
+        }
+        if report.skipped_invalid > 0 {
+            write!(
+                f,
+                "; {} invalid body(ies) skipped (--include-invalid replays them)",
+                report.skipped_invalid
+            )?;
+        }
+        if !report.failed.is_empty() {
+            write!(
+                f,
+                "; {} could not be replayed and stay there",
+                report.failed.len()
+            )?;
+            for (entry, why) in &report.failed {
+                write!(f, "\n  {entry}: {}", printable(why))?;
+            }
+        }
+        if let Some(error) = &report.ledger_unavailable {
+            write!(
+                f,
+                "\n  (the failure ledger could not be read: {})",
+                printable(error)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+fn summarize(f: &mut fmt::Formatter<'_>, report: &Report) -> fmt::Result {
+    let summary = report.summary();
+    write!(
+        f,
+        "{} of {} dead-lettered message(s) in {} match",
+        report.listed.len(),
+        report.seen,
+        printable(&report.queue)
+    )?;
+    fn counted(counts: &BTreeMap<String, usize>) -> Vec<(&String, &usize)> {
+        let mut counts: Vec<(&String, &usize)> = counts.iter().collect();
+        counts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        counts
+    }
+    write!(f, "\n  by reason:")?;
+    for (reason, n) in counted(&summary.reasons) {
+        write!(f, " {} {n},", printable(reason))?;
+    }
+    write!(f, "\n  by last error:")?;
+    for (error, n) in counted(&summary.errors) {
+        write!(f, "\n    {n:>6}  {}", printable(error))?;
+    }
+    if let (Some(oldest), Some(newest)) = (summary.oldest, summary.newest) {
+        write!(
+            f,
+            "\n  oldest {}, newest {}",
+            rfc3339(oldest),
+            rfc3339(newest)
+        )?;
+    }
+    write!(
+        f,
+        "\n  a replay would apply {}, find {} applied already; {} invalid or unknown",
+        summary.would_apply, summary.applied, summary.unknown
+    )
+}
+
+/// `1700000000` → `2023-11-14T22:13:20Z`.
+fn rfc3339(seconds: u64) -> String {
+    let days = (seconds / 86_400) as i64;
+    let rest = seconds % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps_print_as_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn an_invalid_body_is_shown_with_why_and_how_it_starts() {
+        let handler = crate::points::Points;
+        assert_eq!(
+            event_id(&handler, br#"{"eventId":"e-1","orderId":"o","points":2}"#),
+            Ok("e-1".to_owned())
+        );
+        assert_eq!(
+            event_id(&handler, br#"{"eventId":"e-2","orderId":"o","points":-1}"#),
+            Err(r#"field `points` must be a positive integer that fits 64 bits, got -1; the body starts "{\"eventId\":\"e-2\",\"orderId\":\"o\",\"points\":-1}""#.to_owned())
+        );
+        let long = event_id(&handler, "x".repeat(100).as_bytes());
+        assert!(
+            long.is_err_and(|described| described.ends_with(&format!("{}…\"", "x".repeat(79))))
+        );
+    }
+
+    #[test]
+    fn control_characters_never_reach_the_terminal() {
+        assert_eq!(printable("plain"), "plain");
+        assert_eq!(printable("a\u{1b}[2Jb\0c"), "a\\u{1b}[2Jb\\0c");
+    }
+
+    fn entry(reason: &str, time: u64, error: Option<&str>) -> Entry {
+        Entry {
+            event_id: Some("e".into()),
+            invalid: None,
+            death: Some(Death {
+                queue: "work".into(),
+                reason: reason.into(),
+                count: 1,
+                time: Some(time),
+                exchange: "x".into(),
+                routing_keys: vec![],
+            }),
+            replays: 0,
+            failures: error.map(|error| LedgerEntry {
+                failures: 5,
+                first_failed_at: SystemTime::UNIX_EPOCH,
+                last_failed_at: SystemTime::UNIX_EPOCH,
+                last_error: error.into(),
+            }),
+            applied: Some(false),
+        }
+    }
+
+    #[test]
+    fn every_part_of_a_filter_must_hold() {
+        let now = 10_000;
+        let old = entry("rejected", now - 7200, Some("order 1 is poisoned"));
+        let recent = entry("delivery_limit", now - 60, None);
+        let filter = |f: Filter| (f.matches(&old, now), f.matches(&recent, now));
+        assert_eq!(filter(Filter::default()), (true, true));
+        let by_reason = Filter {
+            reason: Some("rejected".into()),
+            ..Filter::default()
+        };
+        assert_eq!(filter(by_reason), (true, false));
+        let by_error = Filter {
+            error: Some("poisoned".into()),
+            ..Filter::default()
+        };
+        assert_eq!(filter(by_error), (true, false));
+        let older = Filter {
+            older_than: Some(Duration::from_secs(3600)),
+            ..Filter::default()
+        };
+        assert_eq!(filter(older), (true, false));
+        let newer = Filter {
+            newer_than: Some(Duration::from_secs(3600)),
+            ..Filter::default()
+        };
+        assert_eq!(filter(newer), (false, true));
+        let both = Filter {
+            reason: Some("rejected".into()),
+            newer_than: Some(Duration::from_secs(3600)),
+            ..Filter::default()
+        };
+        assert_eq!(filter(both), (false, false));
+    }
+}
