@@ -66,6 +66,8 @@ pub struct Filter {
     pub older_than: Option<Duration>,
     /// Died within this.
     pub newer_than: Option<Duration>,
+    /// Only bodies the handler cannot decode (which can never apply).
+    pub invalid: bool,
 }
 
 /// What to do with the dead letters that match.
@@ -545,7 +547,8 @@ impl Filter {
             .newer_than
             .as_ref()
             .is_none_or(|limit| age(limit) == Some(false));
-        reason && event_id && error && older && newer
+        let invalid = !self.invalid || entry.invalid.is_some();
+        reason && event_id && error && older && newer && invalid
     }
 }
 
@@ -1034,5 +1037,16 @@ mod tests {
             ..Filter::default()
         };
         assert_eq!(filter(both), (false, false));
+        let invalid = Filter {
+            invalid: true,
+            ..Filter::default()
+        };
+        assert_eq!(filter(invalid.clone()), (false, false));
+        let garbage = Entry {
+            event_id: None,
+            invalid: Some("not JSON".into()),
+            ..old.clone()
+        };
+        assert!(invalid.matches(&garbage, now));
     }
 }

@@ -36,3 +36,4 @@ mod publishing;
 mod retries;
 mod stock;
 mod tls;
+mod triage;

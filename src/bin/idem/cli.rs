@@ -305,6 +305,9 @@ pub(crate) struct FilterArgs {
     /// Died within this (e.g. 10m).
     #[arg(long)]
     pub(crate) newer_than: Option<Wait>,
+    /// Only bodies the handler cannot decode, which can never apply.
+    #[arg(long)]
+    pub(crate) invalid: bool,
     /// Act on at most this many of those that match.
     #[arg(long)]
     pub(crate) limit: Option<usize>,
@@ -679,6 +682,7 @@ impl Cli {
                 error: filter.error.clone(),
                 older_than: filter.older_than.map(|wait| wait.0),
                 newer_than: filter.newer_than.map(|wait| wait.0),
+                invalid: filter.invalid,
             },
             filter.limit,
         )?;

@@ -1,0 +1,440 @@
+//! Dead-letter triage with `idem dlq`, as an operator runs it: a summary,
+//! filtered listings that say what a replay would do, a paced replay that
+//! leaves invalid bodies alone, a discard that writes before it removes.
+
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use lapin::options::{BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use idem::commands::dlq::{self, Action, DlqConfig, Filter, Report};
+use idem::points::{PaymentSucceeded, Points};
+use idem::worker::Mode;
+
+use crate::helpers::{
+    DATABASE_URL, GROUP, RunningWorker, TestEnv, amqp_url, idem_command, patient, unique_name,
+    wait_for,
+};
+
+/// What the dead-letter queue holds, in the order it got them.
+struct Letters {
+    invalid: Vec<Vec<u8>>,
+    poisoned: Vec<PaymentSucceeded>,
+    applied: PaymentSucceeded,
+    over_the_limit: PaymentSucceeded,
+}
+
+impl Letters {
+    fn count(&self) -> usize {
+        self.invalid.len() + self.poisoned.len() + 2
+    }
+}
+
+/// Fills `env`'s dead-letter queue with one of each kind: bodies that are
+/// not events (one with a NUL in its event id, one with a terminal escape),
+/// events that failed their attempts, an event applied already, and one the
+/// broker's delivery limit dead-lettered.
+async fn dead_letters_of_every_kind(env: &TestEnv) -> anyhow::Result<Letters> {
+    let invalid = vec![
+        br#"{"eventId": "nul\u0000id", "orderId": "o", "points": 1}"#.to_vec(),
+        b"\x1b[2J\x1b[31mnot json".to_vec(),
+        br#"{"eventId": "e", "orderId": "o", "points": -1}"#.to_vec(),
+    ];
+    env.poison_order("poison-order").await?;
+    let poisoned: Vec<PaymentSucceeded> = (0..2)
+        .map(|i| PaymentSucceeded {
+            event_id: format!("{}-poisoned-{i}", env.name),
+            order_id: "poison-order".into(),
+            points: 1,
+        })
+        .collect();
+    let applied = PaymentSucceeded {
+        event_id: format!("{}-applied", env.name),
+        order_id: "fine-order".into(),
+        points: 3,
+    };
+    let mut bodies = invalid.clone();
+    bodies.extend(poisoned.iter().map(PaymentSucceeded::to_body));
+    bodies.push(applied.to_body());
+    env.publish_bodies(&bodies).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 2;
+    let worker = RunningWorker::start(config);
+    wait_for("the dead letters", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == 5)
+    })
+    .await?;
+    worker.stop().await?;
+
+    // A copy of the applied event that a consumer rejected, and one that
+    // went round more often than the queue's delivery limit.
+    let over_the_limit = PaymentSucceeded {
+        event_id: format!("{}-over-the-limit", env.name),
+        order_id: "fine-order".into(),
+        points: 4,
+    };
+    env.publish_events(std::slice::from_ref(&applied)).await?;
+    reject(env, 1, false).await?;
+    env.publish_events(std::slice::from_ref(&over_the_limit))
+        .await?;
+    // A quorum queue delivers it the limit and once more, then dead-letters it.
+    reject(env, env.topology.delivery_limit + 1, true).await?;
+    wait_for(
+        "all seven dead letters",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 7) },
+    )
+    .await?;
+    Ok(Letters {
+        invalid,
+        poisoned,
+        applied,
+        over_the_limit,
+    })
+}
+
+/// Takes the work queue's next `times` deliveries and rejects each.
+async fn reject(env: &TestEnv, times: u32, requeue: bool) -> anyhow::Result<()> {
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(1, BasicQosOptions::default()).await?;
+    let mut consumer = channel
+        .basic_consume(
+            env.topology.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    for _ in 0..times {
+        let delivery = tokio::time::timeout(patient(Duration::from_secs(10)), consumer.next())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("the consumer ended"))??;
+        delivery.reject(BasicRejectOptions { requeue }).await?;
+    }
+    connection.close(200, "OK".into()).await?;
+    Ok(())
+}
+
+/// `idem` with `args`, on `env`; its exit code and standard output.
+async fn idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
+    let output = tokio::time::timeout(
+        patient(Duration::from_secs(60)),
+        idem_command(env, &amqp_url(), DATABASE_URL)
+            .args(args)
+            .output(),
+    )
+    .await??;
+    Ok((
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+    ))
+}
+
+fn config(env: &TestEnv, filter: Filter) -> DlqConfig {
+    DlqConfig {
+        amqp: env.amqp.clone(),
+        database: env.database.clone(),
+        consumer_group: GROUP.into(),
+        dead_letter_queue: env.topology.dead_letter_queue.clone(),
+        filter,
+        limit: None,
+        patience: patient(Duration::from_secs(5)),
+    }
+}
+
+async fn run(env: &TestEnv, filter: Filter, action: Action) -> anyhow::Result<Report> {
+    dlq::run(
+        &config(env, filter),
+        &action,
+        &Points,
+        &CancellationToken::new(),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_summary_counts_dead_letters_per_reason_and_last_error() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let letters = dead_letters_of_every_kind(&env).await?;
+    let (code, stdout) = idem(&env, &["dlq", "summary"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains("7 of 7 dead-lettered message(s)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("by reason: rejected 6, delivery_limit 1,"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("     3  (invalid body)")
+            && stdout.contains("     2  order poison-order is poisoned (SQLSTATE P0001)")
+            && stdout.contains("     2  (no failure recorded)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("oldest 20") && stdout.contains(", newest 20"),
+        "{stdout}"
+    );
+    // The poisoned two and the one over the limit would apply; the
+    // rejected copy of an applied event would not.
+    assert!(
+        stdout.contains("a replay would apply 3, find 1 applied already; 3 invalid or unknown"),
+        "{stdout}"
+    );
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await? as usize,
+        letters.count(),
+        "a summary moves nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_filters_and_says_what_a_replay_would_do() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let letters = dead_letters_of_every_kind(&env).await?;
+    let ids = |report: &Report| -> Vec<Option<String>> {
+        report.listed.iter().map(|e| e.event_id.clone()).collect()
+    };
+
+    let by_reason = Filter {
+        reason: Some("delivery_limit".into()),
+        ..Filter::default()
+    };
+    let listed = run(&env, by_reason, Action::List).await?;
+    assert_eq!(
+        ids(&listed),
+        vec![Some(letters.over_the_limit.event_id.clone())]
+    );
+    assert_eq!(listed.listed[0].applied, Some(false));
+    assert_eq!(listed.seen, letters.count(), "it looked at all of them");
+
+    let by_event = Filter {
+        event_id: Some(letters.applied.event_id.clone()),
+        ..Filter::default()
+    };
+    let listed = run(&env, by_event, Action::List).await?;
+    assert_eq!(ids(&listed), vec![Some(letters.applied.event_id.clone())]);
+    assert_eq!(
+        listed.listed[0].applied,
+        Some(true),
+        "a duplicate if replayed"
+    );
+
+    let by_error = Filter {
+        error: Some("poisoned".into()),
+        ..Filter::default()
+    };
+    let listed = run(&env, by_error, Action::List).await?;
+    let poisoned: Vec<Option<String>> = letters
+        .poisoned
+        .iter()
+        .map(|e| Some(e.event_id.clone()))
+        .collect();
+    assert_eq!(ids(&listed), poisoned);
+    assert!(
+        listed
+            .listed
+            .iter()
+            .all(|e| e.failures.as_ref().is_some_and(|f| f.failures == 2))
+    );
+
+    let old = Filter {
+        older_than: Some(Duration::from_secs(3600)),
+        ..Filter::default()
+    };
+    assert_eq!(run(&env, old, Action::List).await?.listed.len(), 0);
+    let recent = Filter {
+        newer_than: Some(Duration::from_secs(3600)),
+        ..Filter::default()
+    };
+    assert_eq!(
+        run(&env, recent, Action::List).await?.listed.len(),
+        letters.count()
+    );
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await? as usize,
+        letters.count(),
+        "listings move nothing"
+    );
+    Ok(())
+}
+
+/// Found by trying: an event id with a NUL made every later ledger lookup
+/// fail, and bodies with terminal escapes were printed raw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_an_event_id_hides_no_ledger_entry_and_nothing_raw_reaches_the_terminal()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let letters = dead_letters_of_every_kind(&env).await?;
+    let (code, stdout) = idem(&env, &["dlq", "list"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        !stdout.contains('\u{1b}') && !stdout.contains('\0'),
+        "{stdout:?}"
+    );
+    assert!(stdout.contains(r"\u{1b}[2J"), "shown escaped: {stdout}");
+    assert!(!stdout.contains("could not be read"), "{stdout}");
+    for event in &letters.poisoned {
+        let line = stdout
+            .lines()
+            .position(|line| line.contains(&event.event_id))
+            .and_then(|at| stdout.lines().nth(at + 1));
+        assert!(
+            line.is_some_and(|line| line
+                .contains("failed 2 time(s), last error: order poison-order is poisoned")),
+            "{stdout}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_takes_the_filters_leaves_invalid_bodies_and_keeps_to_its_rate()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let letters = dead_letters_of_every_kind(&env).await?;
+    env.sql("DROP TRIGGER poison ON user_points").await?;
+
+    // Only the poisoned ones, now that the cause is fixed.
+    let (code, stdout) = idem(&env, &["dlq", "replay", "--error", "poisoned"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.starts_with(&format!(
+            "replayed 2 message(s) from {} (2 to {})",
+            env.topology.dead_letter_queue, env.topology.queue
+        )),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&env.topology.queue).await?, 2);
+
+    // The rest, but the invalid bodies stay.
+    let (code, stdout) = idem(&env, &["dlq", "replay"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains("replayed 2 message(s)") && stdout.contains("3 invalid body(ies) skipped"),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&env.topology.queue).await?, 4);
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await? as usize,
+        letters.invalid.len()
+    );
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    worker.wait_finished(4, Duration::from_secs(20)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (3, 1), "{stats:?}");
+    assert_eq!(env.points("poison-order").await?, 2);
+    assert_eq!(env.points("fine-order").await?, 3 + 4);
+
+    // At a rate: twenty replays at ten a second take two seconds.
+    let bodies: Vec<Vec<u8>> = (0..20).map(|i| format!("bad {i}").into_bytes()).collect();
+    env.publish_bodies(&bodies).await?;
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_for(
+        "twenty more dead letters",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 23) },
+    )
+    .await?;
+    worker.stop().await?;
+    let started = Instant::now();
+    let report = run(
+        &env,
+        Filter {
+            error: Some("not a payment event".into()),
+            ..Filter::default()
+        },
+        Action::Replay {
+            rate: Some(10.0),
+            include_invalid: true,
+        },
+    )
+    .await?;
+    let took = started.elapsed();
+    assert_eq!(
+        report.replayed.len(),
+        21,
+        "the twenty and the one that is not JSON"
+    );
+    assert!(
+        took >= Duration::from_millis(1900),
+        "21 replays at 10/s took {took:?}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discard_writes_each_message_to_a_synced_file_before_it_removes_it() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    let letters = dead_letters_of_every_kind(&env).await?;
+    let file = std::env::temp_dir().join(format!("{}-discarded.jsonl", unique_name()));
+    let _remove = Removed(file.clone());
+    std::fs::write(&file, "{\"kept\": \"an earlier discard\"}\n")?;
+
+    let path = file.display().to_string();
+    let (code, stdout) = idem(
+        &env,
+        &[
+            "dlq",
+            "discard",
+            "--reason",
+            "rejected",
+            "--invalid",
+            "--to",
+            &path,
+        ],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.starts_with("discarded 3 message(s)"), "{stdout}");
+    let text = std::fs::read_to_string(&file)?;
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
+    assert_eq!(lines.len(), 4, "appended after what was there");
+    let mut bodies: Vec<Vec<u8>> = lines[1..]
+        .iter()
+        .map(|line| match (&line["body"], &line["body_base64"]) {
+            (serde_json::Value::String(text), _) => text.clone().into_bytes(),
+            (_, serde_json::Value::String(encoded)) => {
+                use base64::Engine;
+                base64::engine::general_purpose::STANDARD
+                    .decode(encoded)
+                    .unwrap_or_default()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    bodies.sort();
+    let mut expected = letters.invalid.clone();
+    expected.sort();
+    assert_eq!(bodies, expected, "every body, byte for byte");
+    for line in &lines[1..] {
+        assert_eq!(line["death"]["reason"], "rejected");
+        assert_eq!(line["death"]["queue"], env.topology.queue.as_str());
+        assert!(line["invalid"].is_string());
+    }
+    assert_eq!(
+        env.ready(&env.topology.dead_letter_queue).await? as usize,
+        letters.count() - 3,
+        "the others stay"
+    );
+    Ok(())
+}
+
+/// A file removed when the test ends, however it ends.
+struct Removed(std::path::PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
