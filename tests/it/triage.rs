@@ -271,6 +271,14 @@ async fn a_nul_in_an_event_id_hides_no_ledger_entry_and_nothing_raw_reaches_the_
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let letters = dead_letters_of_every_kind(&env).await?;
+    // An error text with a terminal escape in it, as a handler's message
+    // could carry one, for the second poisoned event.
+    env.sql(&format!(
+        "UPDATE mq_failure_ledger SET last_error = last_error || chr(27) || '[2J' \
+         WHERE event_id = '{}'",
+        letters.poisoned[1].event_id
+    ))
+    .await?;
     let (code, stdout) = idem(&env, &["dlq", "list"]).await?;
     assert_eq!(code, Some(0), "{stdout}");
     assert!(
@@ -278,6 +286,10 @@ async fn a_nul_in_an_event_id_hides_no_ledger_entry_and_nothing_raw_reaches_the_
         "{stdout:?}"
     );
     assert!(stdout.contains(r"\u{1b}[2J"), "shown escaped: {stdout}");
+    assert!(
+        stdout.contains(r"(SQLSTATE P0001)\u{1b}[2J"),
+        "the ledger's error escaped: {stdout}"
+    );
     assert!(!stdout.contains("could not be read"), "{stdout}");
     for event in &letters.poisoned {
         let line = stdout
