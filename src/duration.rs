@@ -1,5 +1,5 @@
-//! Durations as idem writes them, in flags and in queue names: `250ms`,
-//! `30s`, `5m`, `1h`.
+//! Durations as idem writes them, in flags and in queue names (`250ms`,
+//! `30s`, `5m`, `1h`), and instants as it prints them (RFC 3339, UTC).
 
 use std::time::Duration;
 
@@ -62,6 +62,28 @@ pub fn format_list(list: &[Duration]) -> String {
         .join(",")
 }
 
+/// `1700000000` → `2023-11-14T22:13:20Z`.
+pub fn rfc3339(seconds: u64) -> String {
+    let days = (seconds / 86_400) as i64;
+    let rest = seconds % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest % 3600 / 60,
+        rest % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,6 +110,13 @@ mod tests {
         assert!(parse_list("1s,,2s", day).is_err());
         assert!(parse_list("2d", day).is_err());
         assert!(parse_list("25h", day).is_err_and(|e| e.contains("longer")));
+    }
+
+    #[test]
+    fn timestamps_print_as_utc() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
     }
 
     #[test]

@@ -28,6 +28,28 @@ impl LogFormat {
     }
 }
 
+/// Prints the line a command ends with when it fails: `idem: …` as text,
+/// one JSON object (as the subscriber writes them) with `--log-format json`.
+/// Written directly, so that no filter can hide it.
+pub fn fatal(format: LogFormat, message: &str) {
+    let message = message.replace('\n', " ");
+    match format {
+        LogFormat::Text => eprintln!("idem: {message}"),
+        LogFormat::Json => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            let line = serde_json::json!({
+                "timestamp": crate::duration::rfc3339(now.as_secs()),
+                "level": "ERROR",
+                "fields": {"message": format!("idem: {message}")},
+                "target": "idem",
+            });
+            eprintln!("{line}");
+        }
+    }
+}
+
 /// Installs the global subscriber, and a panic hook that logs through it.
 /// `default_filter` applies unless `RUST_LOG` is set (e.g.
 /// `RUST_LOG=idem=debug`).

@@ -31,6 +31,39 @@ impl AmqpConfig {
     pub fn new(url: SecretUrl) -> Self {
         Self { url, ca_file: None }
     }
+
+    /// The broker as logs and errors name it: what was parsed out of the
+    /// URL, without its password; never the URL itself.
+    pub fn describe(&self) -> String {
+        match self.parse() {
+            Ok(uri) => format!(
+                "{}://{}@{}:{}/{}",
+                uri.scheme,
+                uri.authority.userinfo.username,
+                uri.authority.host,
+                uri.authority.port,
+                percent_encoding::utf8_percent_encode(
+                    &uri.vhost,
+                    percent_encoding::NON_ALPHANUMERIC
+                )
+            ),
+            Err(_) => "the AMQP URL".to_owned(),
+        }
+    }
+
+    /// The URL, parsed, unless it does not parse as written (see
+    /// [`crate::secret::parsed_as_written`]): then why, without a character
+    /// of it.
+    fn parse(&self) -> Result<AMQPUri, String> {
+        let url = self.url.expose();
+        let uri: AMQPUri = url
+            .parse()
+            .map_err(|e: String| crate::secret::redact(&e.replace(url, "")))?;
+        if !crate::secret::parsed_as_written(url, uri.authority.userinfo.password.as_bytes()) {
+            return Err("its password is not where a URL's password stands".into());
+        }
+        Ok(uri)
+    }
 }
 
 /// Why a connection could not be opened.
@@ -40,7 +73,7 @@ pub enum ConnectError {
     /// vhost, no permission. Retrying will not help.
     #[error("RabbitMQ at {url} refused the connection: {reason}")]
     Refused {
-        /// The URL, redacted.
+        /// The broker, as [`AmqpConfig::describe`] names it.
         url: String,
         /// What the broker said.
         reason: String,
@@ -49,7 +82,7 @@ pub enum ConnectError {
     /// an `amqp://` URL, a CA file that is not PEM). Retrying will not help.
     #[error("cannot connect to RabbitMQ at {url}: {reason}")]
     Settings {
-        /// The URL, redacted.
+        /// The broker, as [`AmqpConfig::describe`] names it.
         url: String,
         /// What is wrong.
         reason: String,
@@ -57,7 +90,7 @@ pub enum ConnectError {
     /// The broker could not be reached or dropped us: worth retrying.
     #[error("RabbitMQ at {url} is unreachable: {source}")]
     Unreachable {
-        /// The URL, redacted.
+        /// The broker, as [`AmqpConfig::describe`] names it.
         url: String,
         /// The client's error.
         source: lapin::Error,
@@ -81,17 +114,20 @@ impl ConnectError {
 
 /// Opens a connection named `name` (shown in the management UI).
 pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, ConnectError> {
-    let uri: AMQPUri = config.url.expose().parse().map_err(|e: String| {
-        // The parser may quote the URL, password and all.
-        let reason = e.replace(config.url.expose(), &config.url.redacted());
+    let uri = config.parse().map_err(|reason| {
+        let hint = if config.url.expose().contains('@') {
+            "; a / # @ or % in the user or password must be percent-encoded"
+        } else {
+            ""
+        };
         ConnectError::Settings {
-            url: config.url.redacted(),
-            reason: format!("not a valid amqp:// or amqps:// URL ({reason})"),
+            url: config.describe(),
+            reason: format!("not a valid amqp:// or amqps:// URL ({reason}{hint})"),
         }
     })?;
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let unusable = |reason: String| ConnectError::Settings {
-        url: config.url.redacted(),
+        url: config.describe(),
         reason,
     };
     let tls = match &config.ca_file {
@@ -112,15 +148,14 @@ pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, Conn
             }
         }
     };
-    let runtime =
-        lapin::runtime::default_runtime().map_err(|source| classify(&config.url, source))?;
+    let runtime = lapin::runtime::default_runtime().map_err(|source| classify(config, source))?;
     Connection::connect_uri_with_config(uri, properties, tls, runtime)
         .await
-        .map_err(|source| classify(&config.url, source))
+        .map_err(|source| classify(config, source))
 }
 
-fn classify(url: &SecretUrl, source: lapin::Error) -> ConnectError {
-    let url = url.redacted();
+fn classify(config: &AmqpConfig, source: lapin::Error) -> ConnectError {
+    let url = config.describe();
     if let Some(reason) = crate::tls::refusal(&source) {
         return ConnectError::Refused {
             url,

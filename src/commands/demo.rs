@@ -83,7 +83,9 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         )
     };
     let pool = config.database.pool()?;
+    // Both services answer before anything of theirs is changed.
     let client = pool.get().await.context("cannot reach PostgreSQL")?;
+    let connection = connect(&amqp, "idem demo").await?;
     client
         .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
         .await
@@ -92,7 +94,8 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
     migrate::run::<Points>(&pool, Some(SCHEMA))
         .await
         .context("migrating the demo schema")?;
-    reset_topology(&amqp, &topology).await?;
+    reset_topology(&connection, &topology).await?;
+    close(&connection).await;
 
     let bodies = sample();
     let messages: Vec<Outgoing> = bodies
@@ -163,8 +166,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
 }
 
 /// Deletes the demo's queues and exchanges, so each run starts empty.
-async fn reset_topology(amqp: &AmqpConfig, topology: &Topology) -> anyhow::Result<()> {
-    let connection = connect(amqp, "idem demo").await?;
+async fn reset_topology(connection: &lapin::Connection, topology: &Topology) -> anyhow::Result<()> {
     let channel = connection.create_channel().await?;
     for queue in topology.queues() {
         channel
@@ -180,7 +182,6 @@ async fn reset_topology(amqp: &AmqpConfig, topology: &Topology) -> anyhow::Resul
     }
     topology.declare(&channel).await?;
     close_channel(&channel).await;
-    close(&connection).await;
     Ok(())
 }
 

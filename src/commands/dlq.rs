@@ -29,6 +29,7 @@ use crate::broker::{
     AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
     settle,
 };
+use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
 
@@ -925,38 +926,9 @@ fn summarize(f: &mut fmt::Formatter<'_>, report: &Report) -> fmt::Result {
     )
 }
 
-/// `1700000000` → `2023-11-14T22:13:20Z`.
-fn rfc3339(seconds: u64) -> String {
-    let days = (seconds / 86_400) as i64;
-    let rest = seconds % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
-        rest / 3600,
-        rest % 3600 / 60,
-        rest % 60
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn timestamps_print_as_utc() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
-        assert_eq!(rfc3339(1_700_000_000), "2023-11-14T22:13:20Z");
-        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
-    }
 
     #[test]
     fn an_invalid_body_is_shown_with_why_and_how_it_starts() {

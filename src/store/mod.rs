@@ -113,11 +113,54 @@ impl DatabaseConfig {
         }
     }
 
-    /// A pool for this database; connects lazily.
-    pub fn pool(&self) -> Result<Pool, ConfigError> {
-        let mut pg: tokio_postgres::Config = verify_full_as_require(self.url.expose())
+    /// The database as logs and errors name it: what was parsed out of the
+    /// connection string, without its password; never the string itself.
+    pub fn describe(&self) -> String {
+        let Ok(config) = self.parse() else {
+            return "the database URL".to_owned();
+        };
+        let hosts: Vec<String> = config
+            .get_hosts()
+            .iter()
+            .map(|host| match host {
+                tokio_postgres::config::Host::Tcp(name) => name.clone(),
+                tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+            })
+            .collect();
+        let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+        format!(
+            "postgres://{}@{}{}/{}",
+            config.get_user().unwrap_or_default(),
+            hosts.join(","),
+            if ports.is_empty() {
+                String::new()
+            } else {
+                format!(":{}", ports.join(","))
+            },
+            config.get_dbname().unwrap_or_default()
+        )
+    }
+
+    /// The connection string, parsed, unless it does not parse as written
+    /// (see [`crate::secret::parsed_as_written`]).
+    fn parse(&self) -> Result<tokio_postgres::Config, ConfigError> {
+        let url = self.url.expose();
+        let config: tokio_postgres::Config = verify_full_as_require(url)
             .parse()
             .map_err(|e: tokio_postgres::Error| ConfigError::Url(parse_error(&e)))?;
+        if !crate::secret::parsed_as_written(url, config.get_password().unwrap_or_default()) {
+            return Err(ConfigError::Url(
+                "its password is not where a URL's password stands; a / # @ or % in the \
+                 user or password must be percent-encoded"
+                    .into(),
+            ));
+        }
+        Ok(config)
+    }
+
+    /// A pool for this database; connects lazily.
+    pub fn pool(&self) -> Result<Pool, ConfigError> {
+        let mut pg = self.parse()?;
         // `require` verifies the certificate and the host name, as libpq's
         // `verify-full` does; `prefer` (the default) and `disable` do not try TLS.
         let tls = match (pg.get_ssl_mode(), &self.ca_file) {

@@ -34,6 +34,7 @@ mod migrations;
 mod proxy;
 mod publishing;
 mod retries;
+mod secrets;
 mod stock;
 mod tls;
 mod triage;

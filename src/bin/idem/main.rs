@@ -18,7 +18,7 @@ use idem::commands::dlq::{self, Printed};
 use idem::commands::{bench, demo, publish};
 use idem::points::Points;
 use idem::store::migrate;
-use idem::telemetry;
+use idem::telemetry::{self, LogFormat};
 use idem::worker::Worker;
 
 fn main() -> ExitCode {
@@ -31,13 +31,14 @@ fn main() -> ExitCode {
             // clap explains at length; one line names what is wrong.
             let rendered = e.render().to_string();
             let first = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!(
-                "idem: {} (see idem --help)",
-                first.trim_start_matches("error: ")
+            telemetry::fatal(
+                log_format_asked(),
+                &format!("{} (see idem --help)", first.trim_start_matches("error: ")),
             );
             return ExitCode::from(2);
         }
     };
+    let format = cli.log_format;
     let default_filter = match cli.command {
         Command::Demo | Command::Bench(_) => "warn,lapin=off",
         // lapin logs from its own task what it also returns to us, and we log
@@ -55,20 +56,20 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(e) => {
-            eprintln!("idem: cannot start the async runtime: {e}");
+            telemetry::fatal(format, &format!("cannot start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
     runtime.block_on(async {
         let shutdown = CancellationToken::new();
         if let Err(e) = watch_signals(shutdown.clone()) {
-            eprintln!("idem: cannot install signal handlers: {e}");
+            telemetry::fatal(format, &format!("cannot install signal handlers: {e}"));
             return ExitCode::FAILURE;
         }
         match run(cli, shutdown).await {
             Ok(code) => code,
             Err(e) => {
-                eprintln!("idem: {}", one_line(&e));
+                telemetry::fatal(format, &one_line(&e));
                 ExitCode::FAILURE
             }
         }
@@ -82,7 +83,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             let pool = database.pool()?;
             let applied = migrate::run::<Points>(&pool, database.schema.as_deref())
                 .await
-                .with_context(|| format!("migrating {}", database.url))?;
+                .with_context(|| format!("migrating {}", database.describe()))?;
             match applied.as_slice() {
                 [] => println!("migrations: up to date"),
                 names => println!("migrations: applied {}", names.join(", ")),
@@ -140,6 +141,22 @@ async fn dead_letters(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The log format asked for, read from the raw arguments and environment:
+/// for the line that says the arguments do not parse.
+fn log_format_asked() -> LogFormat {
+    let args: Vec<String> = std::env::args().collect();
+    let json = args
+        .windows(2)
+        .any(|pair| pair[0] == "--log-format" && pair[1] == "json")
+        || args.iter().any(|arg| arg == "--log-format=json")
+        || std::env::var(idem::vars::LOG_FORMAT).is_ok_and(|format| format == "json");
+    if json {
+        LogFormat::Json
+    } else {
+        LogFormat::Text
+    }
 }
 
 /// The error and its causes on one line, without the repetition that comes

@@ -1,0 +1,146 @@
+//! No password reaches the output of any subcommand, in either log format,
+//! whatever the shape of the connection string that carries it: the forms
+//! found by trying (an unencoded `/`, `#` or `@` in the password, a scheme
+//! without its colon, a spaced or quoted key/value password) and a corpus
+//! of malformed ones.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+
+use idem::vars;
+
+use crate::helpers::{DATABASE_URL, TestEnv, amqp_port, amqp_url, idem_command, patient};
+
+/// The password of every string below: it must never be seen.
+const PASSWORD: &str = "Pw0rdThatMustNotLeak";
+
+fn amqp_corpus() -> Vec<String> {
+    let (p, port) = (PASSWORD, amqp_port());
+    vec![
+        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp://guest:pa/{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp://guest:pa#{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp://guest:p@{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp//guest:{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp:/guest:{p}@127.0.0.1:{port}/%2f"),
+        format!("amqps://guest:{p}@127.0.0.1:{port}/%2f"),
+        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f?heartbeat=often"),
+        format!("amqp://guest:{p}@no-such-host.invalid/%2f"),
+        format!("guest:{p}@127.0.0.1:{port}"),
+        format!("amqp://guest:{p}@[::1:{port}/%2f"),
+        format!("amqp://guest:{p}"),
+        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f%zz"),
+    ]
+}
+
+fn postgres_corpus() -> Vec<String> {
+    let p = PASSWORD;
+    vec![
+        format!("postgres://idem_no_such_role:{p}@127.0.0.1:5432/postgres"),
+        format!("postgres://u:pa/{p}@127.0.0.1:5432/postgres"),
+        format!("postgres://u:pa#{p}@127.0.0.1:5432/postgres"),
+        format!("postgres://u:p@{p}@127.0.0.1:5432/postgres"),
+        format!("postgres//u:{p}@127.0.0.1:5432/postgres"),
+        format!("postgres://u:{p}@127.0.0.1:notaport/postgres"),
+        format!("postgres://127.0.0.1/postgres?user=u&password={p}"),
+        format!("postgres://127.0.0.1/postgres?password={p}&sslmode=bogus"),
+        format!("postgres://u:{p}@127.0.0.1:1/postgres"),
+        format!("host=127.0.0.1 user=u password={p}"),
+        format!("host=127.0.0.1 user=u password = {p}"),
+        format!("host=127.0.0.1 user=u password='a {p}'"),
+        format!("host=127.0.0.1 user=u password='{p}"),
+        format!("host=127.0.0.1 user=u password {p}"),
+        format!("host=127.0.0.1 port=1 user=u password={p}"),
+    ]
+}
+
+/// Every subcommand, with what it needs to get as far as a connection.
+const SUBCOMMANDS: &[&[&str]] = &[
+    &["migrate"],
+    &["worker"],
+    &[
+        "publish",
+        "--event-id",
+        "e",
+        "--order-id",
+        "o",
+        "--points",
+        "1",
+    ],
+    &["requeue", "--dry-run"],
+    &["dlq", "summary"],
+    &["demo"],
+    &[
+        "bench",
+        "--messages",
+        "10",
+        "--rounds",
+        "1",
+        "--modes",
+        "ceiling",
+    ],
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn no_password_reaches_any_output_whatever_the_shape_of_its_connection_string()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let mut runs = Vec::new();
+    for (variable, corpus) in [
+        (vars::AMQP_URL, amqp_corpus()),
+        (vars::DATABASE_URL, postgres_corpus()),
+    ] {
+        for url in corpus {
+            for args in SUBCOMMANDS {
+                for format in ["text", "json"] {
+                    runs.push((variable, url.clone(), *args, format));
+                }
+            }
+        }
+    }
+    let env = &env;
+    let outputs: Vec<anyhow::Result<(String, String)>> = futures::stream::iter(runs)
+        .map(|(variable, url, args, format)| async move {
+            let mut command = idem_command(env, &amqp_url(), DATABASE_URL);
+            command
+                .env(variable, &url)
+                .env(vars::STARTUP_TIMEOUT, "1s")
+                .args(["--log-format", format])
+                .args(args);
+            let output =
+                tokio::time::timeout(patient(Duration::from_secs(60)), command.output()).await??;
+            let what = format!(
+                "{variable}={url} idem --log-format {format} {}",
+                args.join(" ")
+            );
+            let said = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            Ok((what, said))
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    let mut leaks = Vec::new();
+    let mut runs = 0;
+    for output in outputs {
+        let (what, said) = output?;
+        runs += 1;
+        if said.contains(PASSWORD) {
+            leaks.push(format!("{what}\n  said: {said}"));
+        }
+    }
+    assert_eq!(
+        runs,
+        (amqp_corpus().len() + postgres_corpus().len()) * SUBCOMMANDS.len() * 2
+    );
+    assert!(
+        leaks.is_empty(),
+        "the password leaked:\n{}",
+        leaks.join("\n")
+    );
+    Ok(())
+}
