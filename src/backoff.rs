@@ -3,17 +3,14 @@
 
 use std::time::Duration;
 
-use backon::ExponentialBuilder;
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use tokio::time::Instant;
 
-/// Waiting for a service to come up: 200 ms to 5 s between attempts, giving
-/// up once the waits add up to `patience`.
-pub fn until(patience: Duration) -> ExponentialBuilder {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(200))
-        .with_max_delay(Duration::from_secs(5))
-        .with_jitter()
-        .without_max_times()
-        .with_total_delay(Some(patience))
+/// Waiting for a service to come up: 200 ms to 5 s between attempts, the
+/// last one at `patience` after the first, not before (the last wait is cut
+/// to what is left).
+pub fn until(patience: Duration) -> Until {
+    Until { patience }
 }
 
 /// Holding work while a service is down: 100 ms up to `max_delay` between
@@ -24,4 +21,60 @@ pub fn forever(max_delay: Duration) -> ExponentialBuilder {
         .with_max_delay(max_delay)
         .with_jitter()
         .without_max_times()
+}
+
+/// Builds a [`Deadline`]: the clock starts when it is built, that is when
+/// the first attempt is made.
+#[derive(Debug, Clone, Copy)]
+pub struct Until {
+    patience: Duration,
+}
+
+impl BackoffBuilder for Until {
+    type Backoff = Deadline;
+
+    fn build(self) -> Deadline {
+        Deadline {
+            waits: ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(200))
+                .with_max_delay(Duration::from_secs(5))
+                .with_jitter()
+                .without_max_times()
+                .build(),
+            deadline: Instant::now() + self.patience,
+        }
+    }
+}
+
+/// Exponential waits up to a deadline; the last wait ends on it.
+#[derive(Debug)]
+pub struct Deadline {
+    waits: ExponentialBackoff,
+    deadline: Instant,
+}
+
+impl Iterator for Deadline {
+    type Item = Duration;
+
+    fn next(&mut self) -> Option<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return None;
+        }
+        self.waits.next().map(|wait| wait.min(left))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn the_last_attempt_comes_at_the_deadline() {
+        let started = Instant::now();
+        for wait in until(Duration::from_secs(2)).build() {
+            tokio::time::sleep(wait).await;
+        }
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
 }

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-/// `250ms`, `30s`, `5m`, `1h`, or a plain number of seconds.
+/// `250ms`, `30s`, `5m`, `1h`, or `0`. A number without its unit is refused:
+/// `5` could be meant as milliseconds as well as seconds.
 pub fn parse(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -14,8 +15,14 @@ pub fn parse(text: &str) -> Result<Duration, String> {
         .parse()
         .map_err(|_| format!("'{text}' is not a duration (e.g. 250ms, 30s, 5m)"))?;
     let seconds = match unit.trim() {
+        "" if number == 0.0 => 0.0,
+        "" => {
+            return Err(format!(
+                "'{text}' has no unit: say {text}ms, {text}s, {text}m or {text}h"
+            ));
+        }
         "ms" => number / 1000.0,
-        "" | "s" => number,
+        "s" => number,
         "m" => number * 60.0,
         "h" => number * 3600.0,
         other => {
@@ -92,7 +99,8 @@ mod tests {
     fn durations_parse_with_units() {
         assert_eq!(parse("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse("30s"), Ok(Duration::from_secs(30)));
-        assert_eq!(parse("30"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse("0"), Ok(Duration::ZERO));
+        assert!(parse("30").is_err_and(|e| e.contains("has no unit")));
         assert_eq!(parse("5m"), Ok(Duration::from_secs(300)));
         assert_eq!(parse("1.5h"), Ok(Duration::from_secs(5400)));
         assert!(parse("soon").is_err());

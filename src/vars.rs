@@ -14,6 +14,10 @@ pub const DATABASE_URL: &str = "DATABASE_URL";
 pub const DATABASE_CA_FILE: &str = "IDEM_DATABASE_CA_FILE";
 /// `--schema`.
 pub const SCHEMA: &str = "IDEM_SCHEMA";
+/// `--lock-timeout`.
+pub const LOCK_TIMEOUT: &str = "IDEM_LOCK_TIMEOUT";
+/// `--statement-timeout`.
+pub const STATEMENT_TIMEOUT: &str = "IDEM_STATEMENT_TIMEOUT";
 /// `--startup-timeout`.
 pub const STARTUP_TIMEOUT: &str = "IDEM_STARTUP_TIMEOUT";
 /// `--consumer-group`.

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBackoff, Retryable};
+use backon::{BackoffBuilder, Retryable};
 use futures::StreamExt;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::tcp::OwnedTLSConfig;
@@ -260,7 +260,7 @@ pub enum SessionError {
 #[derive(Debug)]
 pub struct Reconnects {
     patience: Duration,
-    waits: ExponentialBackoff,
+    waits: crate::backoff::Deadline,
     /// What the connection was lost during, for the log: "publishing".
     doing: &'static str,
 }

@@ -222,7 +222,7 @@ impl fmt::Display for DemoReport {
         writeln!(f, "  dead-letter queue    {queue}: {count} message(s)")?;
         write!(
             f,
-            "  look closer: idem --schema {SCHEMA} --consumer-group {CONSUMER_GROUP} --dead-letter-queue {queue} requeue --dry-run"
+            "  look closer: idem dlq list --schema {SCHEMA} --consumer-group {CONSUMER_GROUP} --dead-letter-queue {queue}"
         )
     }
 }

@@ -31,7 +31,7 @@ use crate::broker::{
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
-use crate::store::{DatabaseConfig, LedgerEntry, Store, StoreError};
+use crate::store::{DatabaseConfig, LedgerEntry, ReadyError, Store, StoreError};
 
 /// Which dead-letter queue, and how to reach the failure ledger.
 #[derive(Debug, Clone)]
@@ -173,6 +173,12 @@ pub async fn run<H: Handler>(
         _ => None,
     };
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    // The ledger and the consume records are read for every chunk, and
+    // reset before every replay: a schema that lacks them is said up front.
+    match store.wait_until_ready::<H>(config.patience, shutdown).await {
+        Err(ReadyError::Interrupted) => return Ok(report),
+        ready => ready?,
+    }
     let mut reconnects = Reconnects::new(config.patience, "working through dead letters");
     loop {
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();

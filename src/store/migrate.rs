@@ -3,7 +3,10 @@
 //! not race, and tracked apart (`idem_schema_migrations`,
 //! `idem_handler_migrations`) so that each can evolve.
 
+use std::time::Duration;
+
 use deadpool_postgres::{Pool, Transaction};
+use tokio_util::sync::CancellationToken;
 
 use super::StoreError;
 use crate::handler::{Handler, Migration};
@@ -36,6 +39,9 @@ pub enum MigrateError {
     /// The database failed or refused a statement.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The database did not answer, or refused us.
+    #[error(transparent)]
+    Ready(#[from] super::ReadyError),
     /// A handler's migrations are not numbered 1, 2, 3 … or its name is
     /// unusable: a mistake in its code.
     #[error("handler {handler}: {problem}")]
@@ -51,6 +57,22 @@ impl From<tokio_postgres::Error> for MigrateError {
     fn from(error: tokio_postgres::Error) -> Self {
         Self::Store(error.into())
     }
+}
+
+/// [`run`], once PostgreSQL answers: waits for it as the worker does, for
+/// at most `patience`.
+pub async fn run_when_ready<H: Handler>(
+    pool: &Pool,
+    schema: Option<&str>,
+    patience: Duration,
+    shutdown: &CancellationToken,
+) -> Result<Vec<String>, MigrateError> {
+    // The first connection tells whether the database answers; the
+    // migrations then run on it at once.
+    let answered =
+        super::until_answered(patience, shutdown, || async { Ok(pool.get().await?) }).await?;
+    drop(answered);
+    run::<H>(pool, schema).await
 }
 
 /// Key of the advisory lock that serializes migrations ("idem" in ASCII).
@@ -76,6 +98,10 @@ pub async fn run<H: Handler>(
     check_handler::<H>()?;
     let mut client = pool.get().await.map_err(StoreError::from)?;
     let tx = client.transaction().await?;
+    // A migration may rebuild a large table, and waits its turn behind
+    // another instance's: no timeout of the worker's sessions applies.
+    tx.batch_execute("SET LOCAL lock_timeout = 0; SET LOCAL statement_timeout = 0")
+        .await?;
     tx.execute("SELECT pg_advisory_xact_lock($1)", &[&LOCK_KEY])
         .await?;
     if let Some(schema) = schema {

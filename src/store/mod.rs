@@ -47,6 +47,13 @@ pub struct DatabaseConfig {
     /// With `sslmode=require`: the CA certificates (PEM) the server's
     /// certificate must chain to, instead of the system's.
     pub ca_file: Option<PathBuf>,
+    /// How long a statement of idem's sessions waits for a lock before it
+    /// fails (SQLSTATE 55P03, an infrastructure failure: the delivery is
+    /// held and retried, and the wait is logged), instead of hanging.
+    pub lock_timeout: Duration,
+    /// How long a statement of idem's sessions may run before PostgreSQL
+    /// cancels it (57014, infrastructure too). Migrations have none.
+    pub statement_timeout: Duration,
 }
 
 /// The configuration is unusable: it will not get better by retrying.
@@ -93,6 +100,11 @@ impl DatabaseConfig {
     pub const DEFAULT_POOL_SIZE: usize = 4;
     /// How long to wait for a connection unless said otherwise.
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+    /// The lock timeout of idem's sessions unless said otherwise: far above
+    /// what a batch waits for its rows, short enough that a stray lock shows.
+    pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(10);
+    /// The statement timeout of idem's sessions unless said otherwise.
+    pub const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(60);
 
     /// The database at `url`, in the server's `search_path`, without a CA file.
     pub fn new(url: SecretUrl) -> Self {
@@ -102,6 +114,8 @@ impl DatabaseConfig {
             pool_size: Self::DEFAULT_POOL_SIZE,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             ca_file: None,
+            lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
+            statement_timeout: Self::DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 
@@ -175,6 +189,11 @@ impl DatabaseConfig {
             .map(|o| format!("{o} "))
             .unwrap_or_default();
         options.push_str("-c plan_cache_mode=force_generic_plan");
+        options.push_str(&format!(
+            " -c lock_timeout={} -c statement_timeout={}",
+            self.lock_timeout.as_millis(),
+            self.statement_timeout.as_millis()
+        ));
         if let Some(schema) = &self.schema {
             if !is_identifier(schema) {
                 return Err(ConfigError::Schema(schema.clone()));
@@ -218,9 +237,11 @@ pub enum ReadyError {
     Unavailable(StoreError),
     /// The tables are missing or older than this idem or its handler.
     #[error(
-        "the database schema is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
+        "schema {search_path} is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
     )]
     NotMigrated {
+        /// Where the tables were looked for: the sessions' `search_path`.
+        search_path: String,
         /// Whose migrations: `idem`, or `handler <name>`.
         history: String,
         /// The highest migration applied.
@@ -308,6 +329,38 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
     Ok(MakeRustlsConnect::new(config))
 }
 
+/// Runs `operation` until PostgreSQL answers it, retrying with backoff for
+/// at most `patience`, one log line per attempt; a refusal (credentials, an
+/// unknown database, a certificate) ends it at once, as does `shutdown`.
+pub async fn until_answered<T, F, Fut>(
+    patience: Duration,
+    shutdown: &CancellationToken,
+    operation: F,
+) -> Result<T, ReadyError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let attempts = operation
+        .retry(crate::backoff::until(patience))
+        .sleep(tokio::time::sleep)
+        .when(|error| !is_refusal(error))
+        .notify(|error, wait| {
+            warn!(
+                "PostgreSQL is unavailable: {error}; retrying in {:.1}s",
+                wait.as_secs_f64()
+            );
+        });
+    tokio::select! {
+        result = attempts => result.map_err(|error| if is_refusal(&error) {
+            ReadyError::Refused(error)
+        } else {
+            ReadyError::Unavailable(error)
+        }),
+        () = shutdown.cancelled() => Err(ReadyError::Interrupted),
+    }
+}
+
 /// Invalid credentials, no such database or role, a certificate that does
 /// not verify: retrying cannot help.
 fn is_refusal(error: &StoreError) -> bool {
@@ -366,24 +419,8 @@ impl Store {
         patience: Duration,
         shutdown: &CancellationToken,
     ) -> Result<(), ReadyError> {
-        let attempts = (|| self.schema_versions(H::NAME))
-            .retry(crate::backoff::until(patience))
-            .sleep(tokio::time::sleep)
-            .when(|error| !is_refusal(error))
-            .notify(|error, wait| {
-                warn!(
-                    "PostgreSQL is unavailable: {error}; retrying in {:.1}s",
-                    wait.as_secs_f64()
-                );
-            });
-        let (idem, handler) = tokio::select! {
-            result = attempts => result.map_err(|error| if is_refusal(&error) {
-                ReadyError::Refused(error)
-            } else {
-                ReadyError::Unavailable(error)
-            })?,
-            () = shutdown.cancelled() => return Err(ReadyError::Interrupted),
-        };
+        let (idem, handler, search_path) =
+            until_answered(patience, shutdown, || self.schema_versions(H::NAME)).await?;
         for (history, found, needed) in [
             (
                 "idem".to_owned(),
@@ -398,6 +435,7 @@ impl Store {
         ] {
             if found < needed {
                 return Err(ReadyError::NotMigrated {
+                    search_path,
                     history,
                     found,
                     needed,
@@ -407,16 +445,22 @@ impl Store {
         Ok(())
     }
 
-    /// The highest migration applied of idem's and of handler `handler`'s;
-    /// 0 where none was.
-    async fn schema_versions(&self, handler: &str) -> Result<(i32, i32), StoreError> {
+    /// The highest migration applied of idem's and of handler `handler`'s
+    /// (0 where none was), and the search path they were looked for in.
+    async fn schema_versions(&self, handler: &str) -> Result<(i32, i32, String), StoreError> {
         let client = self.pool.get().await?;
+        let search_path: String = client
+            .query_one("SELECT current_setting('search_path')", &[])
+            .await?
+            .try_get(0)?;
         let idem = client
             .query_one("SELECT max(version) FROM idem_schema_migrations", &[])
             .await;
         let idem: Option<i32> = match idem {
             Ok(row) => row.try_get(0)?,
-            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => return Ok((0, 0)),
+            Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => {
+                return Ok((0, 0, search_path));
+            }
             Err(error) => return Err(error.into()),
         };
         let handler = client
@@ -431,7 +475,7 @@ impl Store {
             Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => None,
             Err(error) => return Err(error.into()),
         };
-        Ok((idem.unwrap_or(0), handler.unwrap_or(0)))
+        Ok((idem.unwrap_or(0), handler.unwrap_or(0), search_path))
     }
 
     /// Counts a genuine failure of `event_id`, in a transaction of its own

@@ -150,11 +150,11 @@ async fn a_missing_exchange_or_dead_letter_queue_ends_publish_or_requeue_at_once
     let missing_exchange = format!("{}.missing", env.topology.exchange);
     let missing_queue = format!("{}.missing", env.topology.dead_letter_queue);
     let publish = [
-        &["--exchange", missing_exchange.as_str()][..],
         &PUBLISH_ONE[..],
+        &["--exchange", missing_exchange.as_str()][..],
     ]
     .concat();
-    let requeue = ["--dead-letter-queue", missing_queue.as_str(), "requeue"];
+    let requeue = ["requeue", "--dead-letter-queue", missing_queue.as_str()];
     for (args, missing) in [
         (&publish[..], &missing_exchange),
         (&requeue[..], &missing_queue),
@@ -183,8 +183,8 @@ async fn publish_exits_non_zero_when_a_message_is_returned() -> anyhow::Result<(
     let env = TestEnv::new().await?;
     let mut command = idem(&env);
     command
-        .args(["--routing-key", "routes.nowhere"])
-        .args(PUBLISH_ONE);
+        .args(PUBLISH_ONE)
+        .args(["--routing-key", "routes.nowhere"]);
     let (code, stdout, stderr) = output(command).await?;
     assert_eq!(code, Some(1), "{stdout}{stderr}");
     assert!(
@@ -444,3 +444,171 @@ in_both_modes!(
     past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothing,
     a_second_signal_exits_at_once,
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_usage_error_says_in_one_line_what_is_wrong_and_which_help_to_read() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    for (args, says, code) in [
+        (
+            &["publish", "--event-id", "e"][..],
+            &[
+                "required arguments were not provided: --order-id <ORDER_ID>, --points <POINTS>",
+                "(see idem publish --help)",
+            ][..],
+            2,
+        ),
+        (
+            &["worker", "--batchsize", "3"][..],
+            &["'--batchsize'", "a similar argument exists: '--batch-size'"][..],
+            2,
+        ),
+        (
+            &["worker", "--mode", "fast"][..],
+            &[
+                "[possible values: batch, per-message]",
+                "(see idem worker --help)",
+            ][..],
+            2,
+        ),
+        (
+            &["dlq", "replay", "--rate", "fast"][..],
+            &["(see idem dlq replay --help)"][..],
+            2,
+        ),
+        (
+            &["worker", "--batch-wait", "5"][..],
+            &["'5' has no unit: say 5ms, 5s, 5m or 5h"][..],
+            2,
+        ),
+        (
+            &["worker", "--prefetch", "100", "--batch-size", "500"][..],
+            &["--batch-size (500) is above --prefetch (100)"][..],
+            1,
+        ),
+    ] {
+        let mut command = idem(&env);
+        command.args(args);
+        let (exit, _, stderr) = output(command).await?;
+        assert_eq!(exit, Some(code), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        for part in says {
+            assert!(stderr.contains(part), "{args:?}: {stderr}");
+        }
+    }
+    // As JSON, with the JSON log format.
+    let mut command = idem(&env);
+    command.args(["--log-format", "json", "worker", "--mode", "fast"]);
+    let (_, _, stderr) = output(command).await?;
+    let line: serde_json::Value = serde_json::from_str(stderr.trim())?;
+    assert_eq!(line["level"], "ERROR");
+    assert!(
+        line["fields"]["message"]
+            .as_str()
+            .is_some_and(|message| message.contains("invalid value 'fast'")),
+        "{stderr}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // Nothing listens on port 1: every attempt is refused at once.
+    let nowhere = "postgres://postgres@127.0.0.1:1/postgres";
+    for subcommand in ["migrate", "worker"] {
+        let mut command = crate::helpers::idem_command(&env, &amqp_url(), nowhere);
+        command
+            .env("IDEM_STARTUP_TIMEOUT", "2s")
+            .env("RUST_LOG", "warn")
+            .arg(subcommand);
+        let started = std::time::Instant::now();
+        let (code, _, stderr) = output(command).await?;
+        let took = started.elapsed();
+        assert_eq!(code, Some(1), "{subcommand}: {stderr}");
+        assert!(
+            took >= Duration::from_secs(2) && took < patient(Duration::from_secs(4)),
+            "{subcommand} gave up after {took:?}: {stderr}"
+        );
+        assert!(
+            stderr.contains("PostgreSQL is unavailable")
+                && stderr.contains("did not answer in time"),
+            "{subcommand}: {stderr}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmigrated_schema_is_named_and_the_dead_letter_commands_say_to_migrate_once()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let schema = format!("{}_never_migrated", env.schema);
+    for args in [&["worker"][..], &["requeue"][..], &["dlq", "list"][..]] {
+        let mut command = idem(&env);
+        command.env("IDEM_SCHEMA", &schema).args(args);
+        let (code, stdout, stderr) = output(command).await?;
+        assert_eq!(code, Some(1), "{args:?}: {stdout}{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("schema {schema} is at migration 0"))
+                && stderr.matches("run `idem migrate` first").count() == 1,
+            "{args:?}: {stderr}"
+        );
+    }
+    Ok(())
+}
+
+/// A lock held by someone else becomes a logged hold, not a silent hang:
+/// the lock timeout makes the transaction fail as the infrastructure's.
+async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_released(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let load = crate::helpers::load(&env, 200, 0.1, 5);
+    // Someone's open transaction holds the points table.
+    let (locker, connection) = tokio_postgres::connect(
+        &format!("{DATABASE_URL}?options=-c%20search_path%3D{}", env.schema),
+        tokio_postgres::NoTls,
+    )
+    .await?;
+    tokio::spawn(connection);
+    locker
+        .batch_execute("BEGIN; LOCK TABLE user_points IN ACCESS EXCLUSIVE MODE")
+        .await?;
+    env.publish_events(&load).await?;
+    let worker = crate::helpers::WorkerProcess::spawn(
+        &env,
+        mode,
+        &amqp_url(),
+        DATABASE_URL,
+        &["--lock-timeout", "500ms"],
+    )?;
+    wait_for(
+        "the worker to report the hold",
+        Duration::from_secs(30),
+        || async { Ok(worker.log().contains("lock timeout")) },
+    )
+    .await?;
+    assert!(
+        worker.log().contains("database unavailable"),
+        "{}",
+        worker.log()
+    );
+    assert_eq!(
+        env.records(GROUP).await?,
+        0,
+        "nothing committed under the lock"
+    );
+    locker.batch_execute("ROLLBACK").await?;
+    wait_for("every event", Duration::from_secs(30), || async {
+        Ok(env.records(GROUP).await? == idem::generate::distinct_events(&load) as i64)
+    })
+    .await?;
+    let log = worker.stop().await?;
+    assert!(log.contains("database answers again"), "{log}");
+    crate::helpers::assert_exact(&env, &load, &[]).await
+}
+
+in_both_modes!(a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_released);

@@ -1,6 +1,7 @@
 //! Flags and environment variables, and their translation into the typed
 //! settings the library takes. Every flag has an environment fallback
-//! ([`idem::vars`]); every default is the library's.
+//! ([`idem::vars`]); every default is the library's. Each subcommand takes
+//! the groups of flags it uses, and lists only those in its help.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};
+use tracing::warn;
 
 use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
@@ -29,21 +31,14 @@ const MAX_CONSUMER_GROUP_CHARS: usize = 64;
 #[derive(Debug, Parser)]
 #[command(name = "idem", version, about, long_about = None)]
 pub(crate) struct Cli {
-    #[command(flatten)]
-    pub(crate) services: ServiceArgs,
-    #[command(flatten)]
-    pub(crate) topology: TopologyArgs,
-    /// Consumer group: part of the deduplication key, so each group applies
-    /// an event once.
-    #[arg(long, env = vars::CONSUMER_GROUP, default_value = points::CONSUMER_GROUP, global = true)]
-    pub(crate) consumer_group: String,
     /// Log format.
     #[arg(
         long,
         env = vars::LOG_FORMAT,
         default_value = LogFormat::default().as_flag(),
         value_parser = choice(&LogFormat::ALL, |format| format.as_flag()),
-        global = true
+        global = true,
+        help_heading = "Global options"
     )]
     pub(crate) log_format: LogFormat,
     #[command(subcommand)]
@@ -53,10 +48,11 @@ pub(crate) struct Cli {
 /// What to do.
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Apply the embedded SQL migrations (idempotent; safe to run concurrently).
-    Migrate,
+    /// Apply idem's and the points handler's migrations (idempotent; safe to
+    /// run concurrently).
+    Migrate(MigrateArgs),
     /// Consume and apply events until SIGINT/SIGTERM, then drain and exit 0.
-    Worker(WorkerArgs),
+    Worker(Box<WorkerArgs>),
     /// Publish events with publisher confirms; exits 1 if any is nacked or returned.
     Publish(PublishArgs),
     /// Replay dead-lettered messages to the queue they died in (all of them;
@@ -66,89 +62,125 @@ pub(crate) enum Command {
     /// the dead letters that match the filters.
     Dlq(DlqArgs),
     /// Run the whole story on local services, on data of its own, and report.
-    Demo,
+    Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
     Bench(BenchArgs),
 }
 
-/// Where RabbitMQ and PostgreSQL are.
+/// Where RabbitMQ is.
 #[derive(Debug, Args)]
-pub(crate) struct ServiceArgs {
+#[command(next_help_heading = "RabbitMQ")]
+pub(crate) struct AmqpArgs {
     /// RabbitMQ URL, vhost included (`%2f` is `/`).
     #[arg(
         long,
         env = vars::AMQP_URL,
         default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
-        global = true,
         hide_env_values = true
     )]
     pub(crate) amqp_url: String,
     /// With an `amqps://` URL: CA certificates (PEM) the broker's certificate
     /// may chain to, besides the system's.
-    #[arg(long, env = vars::AMQP_CA_FILE, global = true)]
+    #[arg(long, env = vars::AMQP_CA_FILE)]
     pub(crate) amqp_ca_file: Option<PathBuf>,
+}
+
+/// Where PostgreSQL is, and how idem's sessions behave.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "PostgreSQL")]
+pub(crate) struct DatabaseArgs {
     /// PostgreSQL URL or key/value connection string.
     #[arg(
         long,
         env = vars::DATABASE_URL,
         default_value = "postgres://postgres@127.0.0.1:5432/postgres",
-        global = true,
         hide_env_values = true
     )]
     pub(crate) database_url: String,
     /// With `sslmode=require` in the database URL: CA certificates (PEM) the
     /// server's certificate must chain to; default: the system's.
-    #[arg(long, env = vars::DATABASE_CA_FILE, global = true)]
+    #[arg(long, env = vars::DATABASE_CA_FILE)]
     pub(crate) database_ca_file: Option<PathBuf>,
     /// Schema for idem's tables (created by `migrate`); default: the server's search_path.
-    #[arg(long, env = vars::SCHEMA, global = true)]
+    #[arg(long, env = vars::SCHEMA)]
     pub(crate) schema: Option<String>,
-    /// How long to wait for RabbitMQ to answer, at start and after a connection loss.
+    /// How long a statement waits for a lock before it fails (and its
+    /// deliveries are held and retried, with a log line), instead of hanging.
+    #[arg(
+        long,
+        env = vars::LOCK_TIMEOUT,
+        default_value_t = Wait(DatabaseConfig::DEFAULT_LOCK_TIMEOUT)
+    )]
+    pub(crate) lock_timeout: Wait,
+    /// How long a statement may run before PostgreSQL cancels it (held and
+    /// retried as well). Migrations have none.
+    #[arg(
+        long,
+        env = vars::STATEMENT_TIMEOUT,
+        default_value_t = Wait(DatabaseConfig::DEFAULT_STATEMENT_TIMEOUT)
+    )]
+    pub(crate) statement_timeout: Wait,
+}
+
+/// How long to wait for the services.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Waiting")]
+pub(crate) struct WaitArgs {
+    /// How long to wait for PostgreSQL and RabbitMQ to answer at start (and
+    /// for RabbitMQ after a connection loss, for publish and the dead-letter
+    /// commands).
     #[arg(
         long,
         env = vars::STARTUP_TIMEOUT,
-        default_value_t = Wait(WorkerConfig::DEFAULT_STARTUP_TIMEOUT),
-        global = true
+        default_value_t = Wait(WorkerConfig::DEFAULT_STARTUP_TIMEOUT)
     )]
     pub(crate) startup_timeout: Wait,
 }
 
-/// Names of the exchanges and queues.
+/// Where events are published.
 #[derive(Debug, Args)]
-pub(crate) struct TopologyArgs {
+#[command(next_help_heading = "Topology")]
+pub(crate) struct RouteArgs {
     /// Exchange producers publish to (topic).
-    #[arg(long, env = vars::EXCHANGE, default_value = points::EXCHANGE, global = true)]
+    #[arg(long, env = vars::EXCHANGE, default_value = points::EXCHANGE)]
     pub(crate) exchange: String,
     /// Routing key of payment events.
-    #[arg(long, env = vars::ROUTING_KEY, default_value = points::ROUTING_KEY, global = true)]
+    #[arg(long, env = vars::ROUTING_KEY, default_value = points::ROUTING_KEY)]
     pub(crate) routing_key: String,
+}
+
+/// Which dead-letter queue.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Topology")]
+pub(crate) struct DeadLetterQueueArgs {
+    /// Dead-letter queue (classic).
+    #[arg(long, env = vars::DEAD_LETTER_QUEUE, default_value = points::DEAD_LETTER_QUEUE)]
+    pub(crate) dead_letter_queue: String,
+}
+
+/// The queues of a consumer group.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Topology")]
+pub(crate) struct QueueArgs {
     /// Work queue (quorum).
-    #[arg(long, env = vars::QUEUE, default_value = points::QUEUE, global = true)]
+    #[arg(long, env = vars::QUEUE, default_value = points::QUEUE)]
     pub(crate) queue: String,
     /// Dead-letter exchange.
     #[arg(
         long,
         env = vars::DEAD_LETTER_EXCHANGE,
-        default_value = points::DEAD_LETTER_EXCHANGE,
-        global = true
+        default_value = points::DEAD_LETTER_EXCHANGE
     )]
     pub(crate) dead_letter_exchange: String,
-    /// Dead-letter queue (classic).
-    #[arg(
-        long,
-        env = vars::DEAD_LETTER_QUEUE,
-        default_value = points::DEAD_LETTER_QUEUE,
-        global = true
-    )]
-    pub(crate) dead_letter_queue: String,
+    #[command(flatten)]
+    pub(crate) dead_letters: DeadLetterQueueArgs,
     /// The work queue's x-delivery-limit: a backstop above --max-attempts for
     /// a message that crashes the worker itself.
     #[arg(
         long,
         env = vars::DELIVERY_LIMIT,
         default_value_t = Topology::DEFAULT_DELIVERY_LIMIT,
-        value_parser = clap::value_parser!(u32).range(1..=10_000),
-        global = true
+        value_parser = clap::value_parser!(u32).range(1..=10_000)
     )]
     pub(crate) delivery_limit: u32,
     /// How long a failed message waits before its next attempt, after the
@@ -157,10 +189,28 @@ pub(crate) struct TopologyArgs {
     #[arg(
         long,
         env = vars::RETRY_DELAYS,
-        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec()),
-        global = true
+        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
+}
+
+/// Whose consume records and failure ledger.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Topology")]
+pub(crate) struct GroupArgs {
+    /// Consumer group: part of the deduplication key, so each group applies
+    /// an event once.
+    #[arg(long, env = vars::CONSUMER_GROUP, default_value = points::CONSUMER_GROUP)]
+    pub(crate) consumer_group: String,
+}
+
+/// `idem migrate`.
+#[derive(Debug, Args)]
+pub(crate) struct MigrateArgs {
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
 }
 
 /// `idem worker`.
@@ -207,6 +257,18 @@ pub(crate) struct WorkerArgs {
         default_value_t = Wait(WorkerConfig::DEFAULT_SHUTDOWN_TIMEOUT)
     )]
     pub(crate) shutdown_timeout: Wait,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) route: RouteArgs,
+    #[command(flatten)]
+    pub(crate) queues: QueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
 }
 
 /// `idem publish`: exactly one of --event-id, --file, --count.
@@ -251,6 +313,27 @@ pub(crate) struct PublishArgs {
         value_parser = clap::value_parser!(u32).range(1..=65_535)
     )]
     pub(crate) window: u32,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) route: RouteArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+/// The dead-letter queue of a consumer group, and its failure ledger.
+#[derive(Debug, Args)]
+pub(crate) struct DlqTargetArgs {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) dead_letters: DeadLetterQueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
 }
 
 /// `idem requeue`.
@@ -262,6 +345,8 @@ pub(crate) struct RequeueArgs {
     /// List what would be replayed (event, reason, count, time); move nothing.
     #[arg(long)]
     pub(crate) dry_run: bool,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
 }
 
 /// `idem dlq`.
@@ -287,7 +372,7 @@ pub(crate) enum DlqAction {
     Discard(DiscardArgs),
 }
 
-/// Which dead letters: every filter given must hold.
+/// Which dead letters (every filter given must hold), and where they are.
 #[derive(Debug, Args)]
 pub(crate) struct FilterArgs {
     /// The reason of the latest death: rejected, delivery_limit, expired…
@@ -311,29 +396,40 @@ pub(crate) struct FilterArgs {
     /// Act on at most this many of those that match.
     #[arg(long)]
     pub(crate) limit: Option<usize>,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
 }
 
 /// `idem dlq replay`.
 #[derive(Debug, Args)]
 pub(crate) struct ReplayArgs {
-    #[command(flatten)]
-    pub(crate) filter: FilterArgs,
     /// At most this many replays per second.
     #[arg(long, value_parser = parse_rate)]
     pub(crate) rate: Option<f64>,
     /// Replay bodies the handler cannot decode too (they die again at once).
     #[arg(long)]
     pub(crate) include_invalid: bool,
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
 }
 
 /// `idem dlq discard`.
 #[derive(Debug, Args)]
 pub(crate) struct DiscardArgs {
-    #[command(flatten)]
-    pub(crate) filter: FilterArgs,
     /// The JSON-lines file the discarded messages are appended to.
     #[arg(long)]
     pub(crate) to: PathBuf,
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
+}
+
+/// `idem demo`.
+#[derive(Debug, Args)]
+pub(crate) struct DemoArgs {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
 }
 
 /// `idem bench`.
@@ -381,6 +477,10 @@ pub(crate) struct BenchArgs {
     /// the same rounds (a build of the main branch, say).
     #[arg(long)]
     pub(crate) baseline: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
 }
 
 /// A parser that takes one of `all` by its flag, and lists them in help and
@@ -438,42 +538,31 @@ impl fmt::Display for Delays {
 #[error("{0}")]
 pub(crate) struct SettingError(String);
 
-impl Cli {
+impl AmqpArgs {
     /// The broker.
-    pub(crate) fn amqp(&self) -> AmqpConfig {
+    pub(crate) fn config(&self) -> AmqpConfig {
         AmqpConfig {
-            url: SecretUrl::new(self.services.amqp_url.clone()),
-            ca_file: self.services.amqp_ca_file.clone(),
+            url: SecretUrl::new(self.amqp_url.clone()),
+            ca_file: self.amqp_ca_file.clone(),
         }
     }
+}
 
+impl DatabaseArgs {
     /// The database, with a pool of `pool_size`.
-    pub(crate) fn database(&self, pool_size: usize) -> DatabaseConfig {
+    pub(crate) fn config(&self, pool_size: usize) -> DatabaseConfig {
         DatabaseConfig {
-            url: SecretUrl::new(self.services.database_url.clone()),
-            schema: self.services.schema.clone(),
+            schema: self.schema.clone(),
             pool_size,
-            connect_timeout: DatabaseConfig::DEFAULT_CONNECT_TIMEOUT,
-            ca_file: self.services.database_ca_file.clone(),
+            ca_file: self.database_ca_file.clone(),
+            lock_timeout: self.lock_timeout.0,
+            statement_timeout: self.statement_timeout.0,
+            ..DatabaseConfig::new(SecretUrl::new(self.database_url.clone()))
         }
     }
+}
 
-    /// The topology.
-    pub(crate) fn topology(&self) -> Topology {
-        let names = &self.topology;
-        Topology {
-            delivery_limit: names.delivery_limit,
-            retry_delays: names.retry_delays.0.clone(),
-            ..Topology::new(
-                &names.exchange,
-                &names.routing_key,
-                &names.queue,
-                &names.dead_letter_exchange,
-                &names.dead_letter_queue,
-            )
-        }
-    }
-
+impl GroupArgs {
     /// The consumer group, checked against its column.
     pub(crate) fn consumer_group(&self) -> Result<String, SettingError> {
         let group = self.consumer_group.trim();
@@ -486,18 +575,36 @@ impl Cli {
         }
         Ok(group.to_owned())
     }
+}
 
+/// The topology of `route` and `queues`.
+pub(crate) fn topology(route: &RouteArgs, queues: &QueueArgs) -> Topology {
+    Topology {
+        delivery_limit: queues.delivery_limit,
+        retry_delays: queues.retry_delays.0.clone(),
+        ..Topology::new(
+            &route.exchange,
+            &route.routing_key,
+            &queues.queue,
+            &queues.dead_letter_exchange,
+            &queues.dead_letters.dead_letter_queue,
+        )
+    }
+}
+
+impl WorkerArgs {
     /// Settings of `idem worker`: the library's defaults for its mode, and
-    /// what the flags say.
-    pub(crate) fn worker(&self, args: &WorkerArgs) -> Result<WorkerConfig, SettingError> {
-        if self.topology.delivery_limit < args.max_attempts {
+    /// what the flags say. Warns (once telemetry is up) about a prefetch too
+    /// small to keep the batches in flight fed.
+    pub(crate) fn config(&self) -> Result<WorkerConfig, SettingError> {
+        if self.queues.delivery_limit < self.max_attempts {
             return Err(SettingError(format!(
                 "--delivery-limit ({}) must be at least --max-attempts ({}): it is the backstop \
                  above the failure ledger's budget, for messages that crash the worker",
-                self.topology.delivery_limit, args.max_attempts
+                self.queues.delivery_limit, self.max_attempts
             )));
         }
-        if let (Mode::PerMessage, Some(size)) = (args.mode, args.batch_size)
+        if let (Mode::PerMessage, Some(size)) = (self.mode, self.batch_size)
             && size != 1
         {
             return Err(SettingError(format!(
@@ -505,52 +612,72 @@ impl Cli {
             )));
         }
         let defaults = WorkerConfig::new(
-            self.amqp(),
-            self.database(DatabaseConfig::DEFAULT_POOL_SIZE),
-            self.topology(),
-            self.consumer_group()?,
+            self.amqp.config(),
+            self.database.config(DatabaseConfig::DEFAULT_POOL_SIZE),
+            topology(&self.route, &self.queues),
+            self.group.consumer_group()?,
         )
-        .with_mode(args.mode);
-        let max_in_flight = args
+        .with_mode(self.mode);
+        let max_in_flight = self
             .max_in_flight
             .map_or(defaults.max_in_flight, |n| n as usize);
+        let prefetch = self.prefetch.unwrap_or(defaults.prefetch);
+        // The default batch fits the prefetch it is given with; one asked
+        // for must fit too.
+        let batch_size = self
+            .batch_size
+            .map_or(defaults.batch_size.min(usize::from(prefetch)), |size| {
+                size as usize
+            });
+        if batch_size > usize::from(prefetch) {
+            return Err(SettingError(format!(
+                "--batch-size ({batch_size}) is above --prefetch ({prefetch}): a batch could never fill"
+            )));
+        }
+        let fed = batch_size * (max_in_flight + 1);
+        if usize::from(prefetch) < fed {
+            warn!(
+                prefetch,
+                batch_size,
+                max_in_flight,
+                "--prefetch is below --batch-size × (--max-in-flight + 1) = {fed}: \
+                 the broker runs out of credit while batches commit, and throughput drops"
+            );
+        }
         // The extra connections serve the failure ledger while transactions hold the others.
-        let pool_size = args.pool_size.map_or(max_in_flight + 2, |n| n as usize);
+        let pool_size = self.pool_size.map_or(max_in_flight + 2, |n| n as usize);
         Ok(WorkerConfig {
             database: DatabaseConfig {
                 pool_size,
                 ..defaults.database.clone()
             },
-            prefetch: args.prefetch.unwrap_or(defaults.prefetch),
-            batch_size: args
-                .batch_size
-                .map_or(defaults.batch_size, |size| size as usize),
-            batch_wait: args.batch_wait.0,
+            prefetch,
+            batch_size,
+            batch_wait: self.batch_wait.0,
             max_in_flight,
-            max_attempts: args.max_attempts,
-            max_body_bytes: args.max_body_bytes,
-            shutdown_timeout: args.shutdown_timeout.0,
-            startup_timeout: self.services.startup_timeout.0,
+            max_attempts: self.max_attempts,
+            max_body_bytes: self.max_body_bytes,
+            shutdown_timeout: self.shutdown_timeout.0,
+            startup_timeout: self.wait.startup_timeout.0,
             ..defaults
         })
     }
+}
 
+impl PublishArgs {
     /// Settings and source of `idem publish`.
-    pub(crate) fn publish(
-        &self,
-        args: &PublishArgs,
-    ) -> Result<(PublishConfig, Source), SettingError> {
+    pub(crate) fn config(&self) -> Result<(PublishConfig, Source), SettingError> {
         let config = PublishConfig {
-            amqp: self.amqp(),
-            exchange: self.topology.exchange.clone(),
-            routing_key: self.topology.routing_key.clone(),
+            amqp: self.amqp.config(),
+            exchange: self.route.exchange.clone(),
+            routing_key: self.route.routing_key.clone(),
             options: PublishOptions {
-                window: args.window as usize,
-                patience: self.services.startup_timeout.0,
+                window: self.window as usize,
+                patience: self.wait.startup_timeout.0,
             },
         };
         let source = if let (Some(event_id), Some(order_id), Some(points)) =
-            (&args.event_id, &args.order_id, args.points)
+            (&self.event_id, &self.order_id, self.points)
         {
             let event = PaymentSucceeded {
                 event_id: event_id.clone(),
@@ -561,23 +688,23 @@ impl Cli {
             PaymentSucceeded::parse(&event.to_body())
                 .map_err(|invalid| SettingError(format!("the event is invalid: {invalid}")))?;
             Source::One(event)
-        } else if let Some(path) = &args.file {
+        } else if let Some(path) = &self.file {
             Source::Lines {
                 path: path.clone(),
-                allow_invalid: args.allow_invalid,
+                allow_invalid: self.allow_invalid,
             }
         } else {
-            let seed = args.seed.unwrap_or_else(|| {
+            let seed = self.seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs())
             });
             Source::Generated(LoadSpec {
-                count: args.count.unwrap_or(0),
-                duplicate_ratio: args.duplicate_ratio,
-                orders: args.orders,
+                count: self.count.unwrap_or(0),
+                duplicate_ratio: self.duplicate_ratio,
+                orders: self.orders,
                 seed,
-                prefix: args
+                prefix: self
                     .prefix
                     .clone()
                     .unwrap_or_else(|| format!("load-{seed}")),
@@ -585,13 +712,15 @@ impl Cli {
         };
         Ok((config, source))
     }
+}
 
+impl BenchArgs {
     /// Settings of `idem bench`.
-    pub(crate) fn bench(&self, args: &BenchArgs) -> Result<BenchConfig, SettingError> {
+    pub(crate) fn config(&self) -> Result<BenchConfig, SettingError> {
         let worker_binary = std::env::current_exe().map_err(|e| {
             SettingError(format!("cannot find the idem binary to run workers: {e}"))
         })?;
-        if let Some(baseline) = &args.baseline
+        if let Some(baseline) = &self.baseline
             && !baseline.is_file()
         {
             return Err(SettingError(format!(
@@ -600,43 +729,44 @@ impl Cli {
             )));
         }
         Ok(BenchConfig {
-            amqp: self.amqp(),
-            database: self.database(2),
-            messages: args.messages,
-            duplicate_ratio: args.duplicate_ratio,
-            orders: args.orders,
-            prefetch: args.prefetch,
-            batch_size: args.batch_size,
-            batch_wait: args.batch_wait.0,
-            batch_in_flight: args.batch_in_flight,
-            per_message_in_flight: args.per_message_in_flight,
-            rounds: args.rounds.max(1),
-            pgbench: args.pgbench,
-            modes: args.modes.clone(),
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            messages: self.messages,
+            duplicate_ratio: self.duplicate_ratio,
+            orders: self.orders,
+            prefetch: self.prefetch,
+            batch_size: self.batch_size,
+            batch_wait: self.batch_wait.0,
+            batch_in_flight: self.batch_in_flight,
+            per_message_in_flight: self.per_message_in_flight,
+            rounds: self.rounds.max(1),
+            pgbench: self.pgbench,
+            modes: self.modes.clone(),
             worker_binary,
-            baseline_binary: args.baseline.clone(),
+            baseline_binary: self.baseline.clone(),
         })
     }
+}
 
+impl DlqTargetArgs {
     /// The dead-letter queue, with `filter` and `limit`.
-    fn dlq(&self, filter: Filter, limit: Option<usize>) -> Result<DlqConfig, SettingError> {
+    fn config(&self, filter: Filter, limit: Option<usize>) -> Result<DlqConfig, SettingError> {
         Ok(DlqConfig {
-            amqp: self.amqp(),
-            database: self.database(2),
-            consumer_group: self.consumer_group()?,
-            dead_letter_queue: self.topology.dead_letter_queue.clone(),
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            consumer_group: self.group.consumer_group()?,
+            dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
             filter,
             limit,
-            patience: self.services.startup_timeout.0,
+            patience: self.wait.startup_timeout.0,
         })
     }
+}
 
+impl RequeueArgs {
     /// Settings of `idem requeue`: every dead letter, invalid ones too.
-    pub(crate) fn requeue(
-        &self,
-        args: &RequeueArgs,
-    ) -> Result<(DlqConfig, Action, View), SettingError> {
-        let action = if args.dry_run {
+    pub(crate) fn config(&self) -> Result<(DlqConfig, Action, View), SettingError> {
+        let action = if self.dry_run {
             Action::List
         } else {
             Action::Replay {
@@ -644,19 +774,15 @@ impl Cli {
                 include_invalid: true,
             }
         };
-        Ok((
-            self.dlq(Filter::default(), args.limit)?,
-            action,
-            View::Listing,
-        ))
+        let config = self.target.config(Filter::default(), self.limit)?;
+        Ok((config, action, View::Listing))
     }
+}
 
+impl DlqArgs {
     /// Settings of `idem dlq`.
-    pub(crate) fn dead_letters(
-        &self,
-        args: &DlqArgs,
-    ) -> Result<(DlqConfig, Action, View), SettingError> {
-        let (filter, action, view) = match &args.action {
+    pub(crate) fn config(&self) -> Result<(DlqConfig, Action, View), SettingError> {
+        let (filter, action, view) = match &self.action {
             DlqAction::Summary(filter) => (filter, Action::List, View::Summary),
             DlqAction::List(filter) => (filter, Action::List, View::Listing),
             DlqAction::Replay(replay) => (
@@ -675,7 +801,7 @@ impl Cli {
                 View::Listing,
             ),
         };
-        let config = self.dlq(
+        let config = filter.target.config(
             Filter {
                 reason: filter.reason.clone(),
                 event_id: filter.event_id.clone(),
@@ -711,34 +837,37 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
+    fn worker(args: &[&str]) -> Result<WorkerConfig, String> {
+        let cli = Cli::try_parse_from([&["idem", "worker"][..], args].concat())
+            .map_err(|e| e.to_string())?;
+        let Command::Worker(args) = &cli.command else {
+            return Err("parsed as another command".into());
+        };
+        args.config().map_err(|e| e.to_string())
+    }
+
     #[test]
     fn verify_cli() {
         Cli::command().debug_assert();
     }
 
     #[test]
-    fn defaults_reach_the_local_services_and_the_points_topology() -> Result<(), clap::Error> {
-        let cli = Cli::try_parse_from(["idem", "worker"])?;
+    fn defaults_reach_the_local_services_and_the_points_topology() -> Result<(), String> {
+        let config = worker(&[])?;
         assert_eq!(
-            cli.amqp().url.expose(),
+            config.amqp.url.expose(),
             "amqp://guest:guest@127.0.0.1:5672/%2f"
         );
         assert_eq!(
-            cli.database(1).url.expose(),
+            config.database.url.expose(),
             "postgres://postgres@127.0.0.1:5432/postgres"
         );
-        assert_eq!(cli.consumer_group, "points-consumer-group");
-        let Command::Worker(args) = &cli.command else {
-            panic!("parsed as another command");
-        };
-        let config = cli
-            .worker(args)
-            .map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, e))?;
+        assert_eq!(config.consumer_group, "points-consumer-group");
         assert_eq!(config.topology, points::topology());
         // The library's defaults, unchanged by the CLI.
         let library = WorkerConfig::new(
-            cli.amqp(),
-            cli.database(1),
+            config.amqp.clone(),
+            DatabaseConfig::new(config.database.url.clone()),
             points::topology(),
             points::CONSUMER_GROUP,
         );
@@ -770,25 +899,36 @@ mod tests {
                 library.startup_timeout
             )
         );
+        assert_eq!(
+            (
+                config.database.lock_timeout,
+                config.database.statement_timeout
+            ),
+            (
+                library.database.lock_timeout,
+                library.database.statement_timeout
+            )
+        );
         Ok(())
     }
 
     #[test]
-    fn per_message_mode_takes_its_own_tuning() -> Result<(), clap::Error> {
-        let cli = Cli::try_parse_from(["idem", "worker", "--mode", "per-message"])?;
-        let Command::Worker(args) = &cli.command else {
-            panic!("parsed as another command");
-        };
-        let config = cli
-            .worker(args)
-            .map_err(|e| clap::Error::raw(clap::error::ErrorKind::InvalidValue, e))?;
+    fn per_message_mode_takes_its_own_tuning() -> Result<(), String> {
+        let config = worker(&["--mode", "per-message"])?;
         let tuning = Mode::PerMessage.tuning();
         assert_eq!(
             (config.prefetch, config.batch_size, config.max_in_flight),
             (tuning.prefetch, tuning.batch_size, tuning.max_in_flight)
         );
-        assert!(Cli::try_parse_from(["idem", "worker", "--mode", "sometimes"]).is_err());
+        assert!(worker(&["--mode", "sometimes"]).is_err());
         Ok(())
+    }
+
+    #[test]
+    fn a_batch_larger_than_the_prefetch_is_refused() {
+        let refused = worker(&["--prefetch", "100", "--batch-size", "200"]);
+        assert!(refused.is_err_and(|e| e.contains("--batch-size (200) is above --prefetch (100)")));
+        assert!(worker(&["--prefetch", "300", "--batch-size", "200"]).is_ok());
     }
 
     /// The help states the per-mode defaults in words; they are the library's.
@@ -822,6 +962,42 @@ mod tests {
         )));
     }
 
+    /// Each subcommand lists the flags it uses, and no others.
+    #[test]
+    fn each_subcommand_takes_only_the_flags_it_uses() {
+        let command = Cli::command();
+        let flags = |name: &str| -> Vec<String> {
+            command
+                .find_subcommand(name)
+                .map(|sub| {
+                    sub.get_arguments()
+                        .filter_map(|arg| arg.get_long().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let migrate = flags("migrate");
+        assert!(migrate.contains(&"database-url".to_owned()));
+        assert!(!migrate.iter().any(|flag| flag.starts_with("amqp")));
+        assert!(!migrate.contains(&"queue".to_owned()));
+        let publish = flags("publish");
+        assert!(
+            publish.contains(&"amqp-url".to_owned()) && publish.contains(&"exchange".to_owned())
+        );
+        assert!(!publish.iter().any(|flag| flag.starts_with("database")));
+        assert!(!publish.contains(&"consumer-group".to_owned()));
+        let worker = flags("worker");
+        for flag in [
+            "amqp-url",
+            "database-url",
+            "queue",
+            "retry-delays",
+            "consumer-group",
+        ] {
+            assert!(worker.contains(&flag.to_owned()), "worker lacks --{flag}");
+        }
+    }
+
     #[test]
     fn publish_needs_exactly_one_source() {
         assert!(Cli::try_parse_from(["idem", "publish"]).is_err());
@@ -831,10 +1007,8 @@ mod tests {
     }
 
     #[test]
-    fn a_consumer_group_longer_than_its_column_is_refused() -> Result<(), clap::Error> {
+    fn a_consumer_group_longer_than_its_column_is_refused() {
         let long = "g".repeat(65);
-        let cli = Cli::try_parse_from(["idem", "--consumer-group", &long, "migrate"])?;
-        assert!(cli.consumer_group().is_err());
-        Ok(())
+        assert!(worker(&["--consumer-group", &long]).is_err());
     }
 }

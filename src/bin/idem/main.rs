@@ -24,23 +24,24 @@ use idem::worker::Worker;
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) =>
+        {
             e.exit()
         }
         Err(e) => {
-            // clap explains at length; one line names what is wrong.
-            let rendered = e.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            telemetry::fatal(
-                log_format_asked(),
-                &format!("{} (see idem --help)", first.trim_start_matches("error: ")),
-            );
+            telemetry::fatal(log_format_asked(), &usage_error(&e));
             return ExitCode::from(2);
         }
     };
     let format = cli.log_format;
     let default_filter = match cli.command {
-        Command::Demo | Command::Bench(_) => "warn,lapin=off",
+        Command::Demo(_) | Command::Bench(_) => "warn,lapin=off",
         // lapin logs from its own task what it also returns to us, and we log
         // each error once, where it is handled.
         _ => "info,lapin=off",
@@ -78,22 +79,27 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> {
     match &cli.command {
-        Command::Migrate => {
-            let database = cli.database(1);
+        Command::Migrate(args) => {
+            let database = args.database.config(1);
             let pool = database.pool()?;
-            let applied = migrate::run::<Points>(&pool, database.schema.as_deref())
-                .await
-                .with_context(|| format!("migrating {}", database.describe()))?;
+            let applied = migrate::run_when_ready::<Points>(
+                &pool,
+                database.schema.as_deref(),
+                args.wait.startup_timeout.0,
+                &shutdown,
+            )
+            .await
+            .with_context(|| format!("migrating {}", database.describe()))?;
             match applied.as_slice() {
                 [] => println!("migrations: up to date"),
                 names => println!("migrations: applied {}", names.join(", ")),
             }
         }
         Command::Worker(args) => {
-            Worker::new(cli.worker(args)?, Points).run(shutdown).await?;
+            Worker::new(args.config()?, Points).run(shutdown).await?;
         }
         Command::Publish(args) => {
-            let (config, source) = cli.publish(args)?;
+            let (config, source) = args.config()?;
             let summary = publish::run(&config, source, &shutdown).await?;
             println!("{summary}");
             if !summary.report.all_confirmed() {
@@ -101,19 +107,19 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Requeue(args) => {
-            let (config, action, view) = cli.requeue(args)?;
+            let (config, action, view) = args.config()?;
             return dead_letters(&config, &action, view, &shutdown).await;
         }
         Command::Dlq(args) => {
-            let (config, action, view) = cli.dead_letters(args)?;
+            let (config, action, view) = args.config()?;
             return dead_letters(&config, &action, view, &shutdown).await;
         }
         Command::Bench(args) => {
-            let report = bench::run(&cli.bench(args)?, &shutdown).await?;
+            let report = bench::run(&args.config()?, &shutdown).await?;
             println!("{report}");
         }
-        Command::Demo => {
-            let report = demo::run(cli.amqp(), cli.database(4)).await?;
+        Command::Demo(args) => {
+            let report = demo::run(args.amqp.config(), args.database.config(4)).await?;
             println!("{report}");
         }
     }
@@ -141,6 +147,47 @@ async fn dead_letters(
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// clap's explanation on one line: what is wrong, the arguments it names,
+/// its suggestion or the valid values, and the help of the subcommand that
+/// was being given.
+fn usage_error(error: &clap::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for raw in error.render().to_string().lines() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with("Usage:") || line.starts_with("For more information")
+        {
+            continue;
+        }
+        let continues_a_list =
+            raw.starts_with("  ") && !line.starts_with("tip:") && !line.starts_with('[');
+        match parts.last_mut() {
+            Some(last) if continues_a_list => {
+                let glue = if last.ends_with(':') { " " } else { ", " };
+                last.push_str(glue);
+                last.push_str(line);
+            }
+            _ => parts.push(line.trim_start_matches("error: ").to_owned()),
+        }
+    }
+    format!("{} (see {} --help)", parts.join("; "), subcommand_asked())
+}
+
+/// `idem`, and the subcommands named on the command line (`idem dlq
+/// replay`), as far as they are known.
+fn subcommand_asked() -> String {
+    use clap::CommandFactory;
+    let mut command = Cli::command();
+    let mut path = vec!["idem".to_owned()];
+    for arg in std::env::args().skip(1) {
+        let Some(sub) = command.find_subcommand(&arg).cloned() else {
+            continue;
+        };
+        path.push(arg);
+        command = sub;
+    }
+    path.join(" ")
 }
 
 /// The log format asked for, read from the raw arguments and environment:
