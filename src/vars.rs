@@ -56,6 +56,10 @@ pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
 pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
 /// `worker --shutdown-timeout`.
 pub const SHUTDOWN_TIMEOUT: &str = "IDEM_SHUTDOWN_TIMEOUT";
+/// `worker --http-addr`.
+pub const HTTP_ADDR: &str = "IDEM_HTTP_ADDR";
+/// `worker --summary-interval`.
+pub const SUMMARY_INTERVAL: &str = "IDEM_SUMMARY_INTERVAL";
 /// `publish --window`.
 pub const CONFIRM_WINDOW: &str = "IDEM_CONFIRM_WINDOW";
 

@@ -324,6 +324,38 @@ pub fn failure(connection: &Connection) -> impl Future<Output = String> + Send +
     }
 }
 
+/// Logs each time the broker blocks `connection` (a memory or disk alarm
+/// stops publishers; `connection.blocked`), with the broker's reason, and
+/// when it unblocks it, for as long as the returned guard lives. `doing`
+/// names the work in the lines: publishing, replaying dead letters.
+pub fn log_blocked(connection: &Connection, doing: &'static str) -> Blocked {
+    let mut events = connection.events_listener();
+    Blocked(tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            match event {
+                lapin::Event::ConnectionBlocked(reason) => warn!(
+                    %reason,
+                    "RabbitMQ blocked the connection (an alarm stops publishers): {doing} waits until it unblocks"
+                ),
+                lapin::Event::ConnectionUnblocked => {
+                    tracing::info!("RabbitMQ unblocked the connection: {doing} goes on")
+                }
+                _ => {}
+            }
+        }
+    }))
+}
+
+/// Stops logging a connection's blocks when dropped.
+#[derive(Debug)]
+pub struct Blocked(tokio::task::JoinHandle<()>);
+
+impl Drop for Blocked {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// Closes `connection` cleanly if it is still open; gives up after a few
 /// seconds (a connection that just broke may never answer the close).
 pub async fn close(connection: &Connection) {

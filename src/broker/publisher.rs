@@ -7,11 +7,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use super::connection::{
     AmqpConfig, Reconnects, SessionError, close, close_channel, connect_with_retry, first_refusal,
+    log_blocked,
 };
 
 /// A message to publish.
@@ -29,8 +31,19 @@ pub struct Outgoing {
 
 impl Outgoing {
     /// A JSON body for `exchange` and `routing_key`, persistent so that it
-    /// survives a broker restart.
+    /// survives a broker restart, stamped with the time it is made: the
+    /// `timestamp` property (seconds) and a `timestamp_in_ms` header (as
+    /// RabbitMQ's message-timestamp plugin writes it), from which a worker
+    /// measures its end-to-end latency.
     pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "timestamp_in_ms".into(),
+            AMQPValue::LongLongInt(i64::try_from(now.as_millis()).unwrap_or(i64::MAX)),
+        );
         Self {
             exchange: exchange.to_owned(),
             routing_key: routing_key.to_owned(),
@@ -38,7 +51,9 @@ impl Outgoing {
             properties: BasicProperties::default()
                 .with_content_type("application/json".into())
                 .with_delivery_mode(2)
-                .with_app_id("idem".into()),
+                .with_app_id("idem".into())
+                .with_timestamp(now.as_secs())
+                .with_headers(headers),
         }
     }
 }
@@ -180,6 +195,7 @@ pub async fn publish_all(
         let settled = report.confirmed + report.refused.len();
         let connection =
             connect_with_retry(amqp, "idem publish", options.patience, shutdown).await?;
+        let _blocked = log_blocked(&connection, "publishing");
         let lost = match ConfirmChannel::open(&connection).await {
             Ok(channel) => {
                 let mut batch = Batch {

@@ -404,6 +404,11 @@ impl Store {
         }
     }
 
+    /// The pool the store's statements run on.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
     /// The consumer group whose records this store keeps.
     pub fn consumer_group(&self) -> &str {
         &self.consumer_group

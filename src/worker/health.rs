@@ -53,6 +53,11 @@ impl DatabaseHealth {
         }
     }
 
+    /// True when no transaction waits for the database.
+    pub(crate) fn is_up(&self) -> bool {
+        *self.holders.borrow() == 0
+    }
+
     /// Returns once no transaction waits for the database.
     pub(crate) async fn wait_up(&self) {
         let mut holders = self.holders.subscribe();
@@ -95,20 +100,16 @@ impl Drop for Hold<'_> {
 mod tests {
     use super::*;
 
-    fn is_up(health: &DatabaseHealth) -> bool {
-        *health.holders.borrow() == 0
-    }
-
     #[test]
     fn the_gate_is_down_while_any_transaction_holds_it() {
         let health = DatabaseHealth::new();
         let first = health.hold(&"connection refused");
         let second = health.hold(&"connection refused");
-        assert!(!is_up(&health));
+        assert!(!health.is_up());
         first.release();
-        assert!(!is_up(&health), "the second still waits");
+        assert!(!health.is_up(), "the second still waits");
         second.release();
-        assert!(is_up(&health));
+        assert!(health.is_up());
     }
 
     #[test]
@@ -116,6 +117,6 @@ mod tests {
         let health = DatabaseHealth::new();
         let hold = health.hold(&"connection refused");
         drop(hold);
-        assert!(is_up(&health));
+        assert!(health.is_up());
     }
 }

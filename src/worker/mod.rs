@@ -7,6 +7,7 @@
 //! `process`).
 
 mod health;
+mod http;
 mod intake;
 mod process;
 mod settle;
@@ -29,7 +30,7 @@ pub use stats::{Snapshot, Stats};
 
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectError, Topology, TopologyError, close, close_channel,
-    connect_with_retry, failure,
+    connect_with_retry, failure, log_blocked,
 };
 use crate::caught;
 use crate::handler::Handler;
@@ -133,6 +134,11 @@ pub struct WorkerConfig {
     pub shutdown_timeout: Duration,
     /// How long to wait for PostgreSQL and RabbitMQ at start-up.
     pub startup_timeout: Duration,
+    /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere.
+    pub http_addr: Option<std::net::SocketAddr>,
+    /// How often to log a summary of what was done (and a last one with
+    /// the totals at the end); zero: only at the end.
+    pub summary_interval: Duration,
 }
 
 impl WorkerConfig {
@@ -146,6 +152,8 @@ impl WorkerConfig {
     pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
     /// How long to wait for the services at start-up, by default.
     pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
+    /// How often the worker logs what it did, by default.
+    pub const DEFAULT_SUMMARY_INTERVAL: Duration = Duration::from_secs(60);
 
     /// A worker of `consumer_group` on `topology`, in batch mode, with
     /// idem's defaults for everything else (the database's pool is sized
@@ -170,6 +178,8 @@ impl WorkerConfig {
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
             startup_timeout: Self::DEFAULT_STARTUP_TIMEOUT,
+            http_addr: None,
+            summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
         };
         config.with_mode(Mode::Batch)
     }
@@ -209,6 +219,14 @@ pub enum WorkerError {
     /// user may not declare them.
     #[error(transparent)]
     Topology(#[from] TopologyError),
+    /// The HTTP endpoints cannot listen where they were asked to.
+    #[error("cannot serve the HTTP endpoints on {addr}: {source}")]
+    Http {
+        /// The address asked for.
+        addr: std::net::SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
 }
 
 /// A worker of one handler: build it, keep its [`Stats`] if you want them,
@@ -232,10 +250,11 @@ enum SessionEnd {
 impl<H: Handler> Worker<H> {
     /// A worker applying `handler`'s effect, with fresh counters.
     pub fn new(config: WorkerConfig, handler: H) -> Self {
+        let stats = Arc::new(Stats::new(&config.topology.queue, &config.consumer_group));
         Self {
             config,
             handler,
-            stats: Arc::default(),
+            stats,
         }
     }
 
@@ -248,6 +267,15 @@ impl<H: Handler> Worker<H> {
     /// in-flight ones finish and be acked (for at most the shutdown
     /// timeout), closes the channel and the connection, and returns `Ok`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        // Bound before anything else: a port taken is a mistake to say at once.
+        let listener = match self.config.http_addr {
+            Some(addr) => Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .map_err(|source| WorkerError::Http { addr, source })?,
+            ),
+            None => None,
+        };
         let pool = self.config.database.pool()?;
         let store = Store::new(pool, self.config.consumer_group.clone());
         match store
@@ -263,45 +291,117 @@ impl<H: Handler> Worker<H> {
             handler,
             stats,
         } = self;
+        let health = DatabaseHealth::new();
+        let endpoints = listener.map(|listener| {
+            let probe = http::Probe {
+                stats: Arc::clone(&stats),
+                health: health.clone(),
+                pool: store.pool().clone(),
+            };
+            tokio::spawn(http::serve(listener, probe, shutdown.clone()))
+        });
+        let summary = tokio::spawn(summarize(
+            Arc::clone(&stats),
+            config.summary_interval,
+            shutdown.clone(),
+        ));
         let processor = Arc::new(Processor {
             applier: Applier::new(store, Arc::new(handler))?,
             max_attempts: config.max_attempts,
             max_body_bytes: config.max_body_bytes,
-            health: DatabaseHealth::new(),
+            health,
             stats: Arc::clone(&stats),
             max_hold_backoff: Duration::from_secs(5),
             topology: config.topology.clone(),
         });
-        // After the first connection, a lost one is retried for as long as it takes.
-        let mut patience = config.startup_timeout;
-        let mut pause = Pause::default();
-        loop {
-            let connection =
-                match connect_with_retry(&config.amqp, "idem worker", patience, &shutdown).await {
-                    Ok(connection) => connection,
-                    Err(ConnectError::Interrupted) => return Ok(()),
-                    Err(error) => return Err(error.into()),
-                };
-            patience = RECONNECT_PATIENCE;
-            let started = Instant::now();
-            let end = session(&config, &connection, &processor, &shutdown).await;
-            close(&connection).await;
-            match end? {
-                SessionEnd::Drained => {
-                    info!("worker stopped");
-                    return Ok(());
-                }
-                SessionEnd::Lost(reason) => {
-                    stats.reconnects(1);
-                    let wait = pause.after(started.elapsed());
-                    warn!(%reason, "lost the connection to RabbitMQ: reconnecting in {:.1}s", wait.as_secs_f64());
-                    tokio::select! {
-                        () = tokio::time::sleep(wait) => {}
-                        () = shutdown.cancelled() => return Ok(()),
-                    }
+        let result = reconnecting(&config, &processor, &shutdown).await;
+        summary.abort();
+        if let Some(endpoints) = endpoints {
+            endpoints.abort();
+        }
+        let totals = stats.snapshot();
+        info!(
+            applied = totals.applied,
+            duplicates = totals.duplicates,
+            invalid = totals.invalid,
+            retried = totals.retried,
+            dead_lettered = totals.dead_lettered,
+            "worker stopped: applied {}, duplicates {}, invalid {}, retried {}, dead-lettered {}",
+            totals.applied,
+            totals.duplicates,
+            totals.invalid,
+            totals.retried,
+            totals.dead_lettered
+        );
+        result
+    }
+}
+
+/// Connects, consumes, and after each lost connection connects again, until
+/// shutdown drains a session.
+async fn reconnecting<H: Handler>(
+    config: &WorkerConfig,
+    processor: &Arc<Processor<H>>,
+    shutdown: &CancellationToken,
+) -> Result<(), WorkerError> {
+    let stats = &processor.stats;
+    // After the first connection, a lost one is retried for as long as it takes.
+    let mut patience = config.startup_timeout;
+    let mut pause = Pause::default();
+    loop {
+        let connection =
+            match connect_with_retry(&config.amqp, "idem worker", patience, shutdown).await {
+                Ok(connection) => connection,
+                Err(ConnectError::Interrupted) => return Ok(()),
+                Err(error) => return Err(error.into()),
+            };
+        let _blocked = log_blocked(&connection, "consuming");
+        patience = RECONNECT_PATIENCE;
+        let started = Instant::now();
+        let end = session(config, &connection, processor, shutdown).await;
+        close(&connection).await;
+        match end? {
+            SessionEnd::Drained => return Ok(()),
+            SessionEnd::Lost(reason) => {
+                stats.reconnects(1);
+                let wait = pause.after(started.elapsed());
+                warn!(%reason, "lost the connection to RabbitMQ: reconnecting in {:.1}s", wait.as_secs_f64());
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = shutdown.cancelled() => return Ok(()),
                 }
             }
         }
+    }
+}
+
+/// Logs, every `interval`, what the worker did since the last line.
+async fn summarize(stats: Arc<Stats>, interval: Duration, shutdown: CancellationToken) {
+    if interval.is_zero() {
+        return;
+    }
+    let mut last = stats.snapshot();
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = shutdown.cancelled() => return,
+        }
+        let now = stats.snapshot();
+        let finished = now.finished() - last.finished();
+        info!(
+            applied = now.applied - last.applied,
+            duplicates = now.duplicates - last.duplicates,
+            dead_lettered = now.dead_lettered + now.invalid - last.dead_lettered - last.invalid,
+            retried = now.retried - last.retried,
+            "in the last {}: applied {}, duplicates {}, dead-lettered {}, retried {} ({:.0} messages/s)",
+            crate::duration::format(interval),
+            now.applied - last.applied,
+            now.duplicates - last.duplicates,
+            now.dead_lettered + now.invalid - last.dead_lettered - last.invalid,
+            now.retried - last.retried,
+            finished as f64 / interval.as_secs_f64()
+        );
+        last = now;
     }
 }
 
@@ -366,6 +466,7 @@ async fn consume<H: Handler>(
         Err(error) => return SessionEnd::Lost(error.to_string()),
     };
     processor.stats.sessions(1);
+    processor.stats.consuming(true);
     info!(
         queue = %config.topology.queue,
         consumer_group = %config.consumer_group,
@@ -374,7 +475,7 @@ async fn consume<H: Handler>(
         "consuming"
     );
     let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
-    let (settler, settled) = Settler::spawn(channel.clone());
+    let (settler, settled) = Settler::spawn(channel.clone(), Arc::clone(&processor.stats));
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let mut in_flight = JoinSet::new();
     let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
@@ -408,8 +509,10 @@ async fn consume<H: Handler>(
         );
         let (processor, settler, publisher) =
             (Arc::clone(processor), settler.clone(), publisher.clone());
+        let counted = InFlight::start(Arc::clone(&processor.stats));
         in_flight.spawn(
             async move {
+                let _counted = counted;
                 let settlements = match caught::future(processor.process(batch)).await {
                     Ok(mut decided) => {
                         if !decided.waiting.is_empty() {
@@ -430,12 +533,29 @@ async fn consume<H: Handler>(
         while in_flight.try_join_next().is_some() {}
     };
     canceller.abort();
+    processor.stats.consuming(false);
     if let SessionEnd::Drained = end {
         while in_flight.join_next().await.is_some() {}
         drop(settler);
         let _ = settled.await;
     }
     end
+}
+
+/// One transaction in flight, counted until its task ends or is dropped.
+struct InFlight(Arc<Stats>);
+
+impl InFlight {
+    fn start(stats: Arc<Stats>) -> Self {
+        stats.in_flight(1);
+        Self(stats)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight(-1);
+    }
 }
 
 /// What becomes of a batch whose processing panicked outside the handler's
@@ -445,7 +565,7 @@ async fn consume<H: Handler>(
 /// them keeps the settler from waiting on them for ever.
 fn given_back(stats: &Stats, tags: Vec<DeliveryTag>, panic: &caught::Panic) -> Vec<Settlement> {
     error!(%panic, batch.size = tags.len(), "processing a batch panicked: returning its deliveries to the broker");
-    stats.retried(tags.len() as u64);
+    stats.retried(tags.len() as u64, Duration::ZERO);
     tags.into_iter()
         .map(|tag| Settlement {
             tag,

@@ -156,15 +156,17 @@ impl<H: Handler> Processor<H> {
             return;
         }
         let events: Vec<&H::Event> = items.iter().map(|item| &item.event).collect();
+        let started = std::time::Instant::now();
         let outcome = self
             .until_database_answers(|| self.applier.apply(&events), is_infrastructure)
-            .await
-            .map(|mut claimed| {
-                items
-                    .iter()
-                    .map(|item| claimed.take(self.event_id(item)))
-                    .collect::<Vec<bool>>()
-            });
+            .await;
+        self.stats.transaction(events.len(), started.elapsed());
+        let outcome = outcome.map(|mut claimed| {
+            items
+                .iter()
+                .map(|item| claimed.take(self.event_id(item)))
+                .collect::<Vec<bool>>()
+        });
         match outcome {
             Ok(went_in) => {
                 for (item, went_in) in items.into_iter().zip(went_in) {
@@ -175,6 +177,9 @@ impl<H: Handler> Processor<H> {
                     } else {
                         self.stats.duplicates(1);
                         debug!(delivery.tag = item.tag(), event.id = %event_id, "duplicate: acked without effect");
+                    }
+                    if let Some(latency) = since_published(&item.delivery) {
+                        self.stats.latency(latency);
                     }
                     decided.settle(item.tag(), Disposition::Ack);
                 }
@@ -251,6 +256,7 @@ impl<H: Handler> Processor<H> {
         let Ok(failures) = counted else {
             unreachable!("every error of the ledger is retried");
         };
+        self.stats.failed(1);
         let spent = failures >= self.max_attempts;
         let delay = self.topology.delay_after(failures);
         let outcome = if spent {
@@ -275,10 +281,10 @@ impl<H: Handler> Processor<H> {
             self.stats.dead_lettered(1);
             decided.settle(item.tag(), Disposition::DeadLetter);
         } else if delay.is_zero() {
-            self.stats.retried(1);
+            self.stats.retried(1, delay);
             decided.settle(item.tag(), Disposition::Retry);
         } else {
-            self.stats.retried(1);
+            self.stats.retried(1, delay);
             decided.waiting.push(Waiting {
                 delivery: item.delivery,
                 delay,
@@ -323,14 +329,40 @@ fn is_infrastructure(failure: &Failure) -> bool {
     failure.kind == FailureKind::Infrastructure
 }
 
-/// The `x-delivery-count` header a quorum queue puts on redeliveries.
-fn delivery_count(delivery: &Delivery) -> Option<i64> {
-    let headers = delivery.properties.headers().as_ref()?;
-    match headers.inner().get("x-delivery-count")? {
+/// How long ago the producer published `delivery`: from its
+/// `timestamp_in_ms` header when it has one (milliseconds; `idem publish`
+/// and RabbitMQ's message-timestamp plugin set it), else from its
+/// `timestamp` property (seconds).
+fn since_published(delivery: &Delivery) -> Option<Duration> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .ok()?;
+    let properties = &delivery.properties;
+    let millis = properties
+        .headers()
+        .as_ref()
+        .and_then(|headers| integer(headers.inner().get("timestamp_in_ms")?));
+    let published = match (millis, properties.timestamp()) {
+        (Some(millis), _) => Duration::from_millis(u64::try_from(millis).ok()?),
+        (None, Some(seconds)) => Duration::from_secs(*seconds),
+        (None, None) => return None,
+    };
+    now.checked_sub(published)
+}
+
+fn integer(value: &AMQPValue) -> Option<i64> {
+    match value {
         AMQPValue::LongLongInt(n) => Some(*n),
         AMQPValue::LongInt(n) => Some(i64::from(*n)),
         AMQPValue::LongUInt(n) => Some(i64::from(*n)),
         AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::Timestamp(n) => i64::try_from(*n).ok(),
         _ => None,
     }
+}
+
+/// The `x-delivery-count` header a quorum queue puts on redeliveries.
+fn delivery_count(delivery: &Delivery) -> Option<i64> {
+    let headers = delivery.properties.headers().as_ref()?;
+    integer(headers.inner().get("x-delivery-count")?)
 }

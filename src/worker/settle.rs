@@ -5,6 +5,7 @@
 //! and frames go out in the order the decisions were made.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use lapin::Channel;
 use lapin::options::{BasicAckOptions, BasicRejectOptions};
@@ -13,6 +14,8 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::{Duration, Instant};
 use tracing::debug;
+
+use super::stats::Stats;
 
 /// What the broker is told about one delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,9 +53,9 @@ pub(crate) struct Settler {
 impl Settler {
     /// Starts the settler task for `channel`; it ends when every `Settler`
     /// is dropped and what they sent is flushed, or when the channel fails.
-    pub(crate) fn spawn(channel: Channel) -> (Self, JoinHandle<()>) {
+    pub(crate) fn spawn(channel: Channel, stats: Arc<Stats>) -> (Self, JoinHandle<()>) {
         let (notes, inbox) = mpsc::unbounded_channel();
-        let task = tokio::spawn(run(channel, inbox));
+        let task = tokio::spawn(run(channel, inbox, stats));
         (Self { notes }, task)
     }
 
@@ -142,15 +145,18 @@ impl Outstanding {
 const COALESCE: usize = 32;
 const LINGER: Duration = Duration::from_millis(1);
 
-async fn run(channel: Channel, mut inbox: mpsc::UnboundedReceiver<Note>) {
+async fn run(channel: Channel, mut inbox: mpsc::UnboundedReceiver<Note>, stats: Arc<Stats>) {
     let mut outstanding = Outstanding::default();
     while let Some(note) = inbox.recv().await {
-        if let Err(error) = settle_for_a_moment(&channel, &mut outstanding, note, &mut inbox).await
-        {
+        let settled = settle_for_a_moment(&channel, &mut outstanding, note, &mut inbox).await;
+        stats.unacked(outstanding.entries.len());
+        if let Err(error) = settled {
             debug!(%error, "channel closed before deliveries were settled; the broker redelivers them");
-            return;
+            break;
         }
     }
+    // What this channel held is settled, or back with the broker.
+    stats.unacked(0);
 }
 
 /// Records `first` and whatever follows it closely, then sends one ack.

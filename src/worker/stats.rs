@@ -1,20 +1,64 @@
-//! Counters of what the worker did, cheap to bump from any task and ready to
-//! be exported.
+//! What the worker did and is doing, as Prometheus metrics: counters cheap
+//! to bump from any task (each outcome's counter is made once, so counting
+//! takes no lock), histograms of transactions and latencies, gauges of what
+//! is in flight. The same numbers serve `/metrics`, the summary log lines
+//! and [`Snapshot`].
+//!
+//! Names are in base units with `_total` on counters; labels are bounded:
+//! the queue and consumer group on everything, an outcome or a retry delay
+//! where it applies, never an event id.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-/// Running totals since the worker started.
-#[derive(Debug, Default)]
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// What became of a delivery.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Outcome {
+    outcome: &'static str,
+}
+
+/// A retry delay, as the wait queue names it (`10s`): as many as the
+/// schedule has.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Delay {
+    delay: String,
+}
+
+/// A state of the pool's connections.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolState {
+    state: &'static str,
+}
+
+/// Running totals and live gauges of one worker.
+#[derive(Debug)]
 pub struct Stats {
-    received: AtomicU64,
-    applied: AtomicU64,
-    duplicates: AtomicU64,
-    invalid: AtomicU64,
-    retried: AtomicU64,
-    dead_lettered: AtomicU64,
-    infrastructure_retries: AtomicU64,
-    sessions: AtomicU64,
-    reconnects: AtomicU64,
+    registry: Registry,
+    received: Counter,
+    applied: Counter,
+    duplicates: Counter,
+    invalid: Counter,
+    failed: Counter,
+    retried: Counter,
+    dead_lettered: Counter,
+    retries: Family<Delay, Counter>,
+    infrastructure_retries: Counter,
+    sessions: Counter,
+    reconnects: Counter,
+    transaction_seconds: Histogram,
+    batch_size: Histogram,
+    latency_seconds: Histogram,
+    in_flight: Gauge,
+    unacked: Gauge,
+    consuming: Gauge,
+    database_up: Gauge,
+    pool: Family<PoolState, Gauge>,
 }
 
 /// A copy of the counters at one moment.
@@ -28,7 +72,7 @@ pub struct Snapshot {
     pub duplicates: u64,
     /// Deliveries that broke the message contract: dead-lettered at once.
     pub invalid: u64,
-    /// Failed deliveries given back to the queue for another attempt.
+    /// Failed deliveries sent for another attempt (at once or after a wait).
     pub retried: u64,
     /// Failed deliveries that used up their attempts: dead-lettered.
     pub dead_lettered: u64,
@@ -47,32 +91,263 @@ impl Snapshot {
     }
 }
 
-macro_rules! counters {
-    ($($name:ident),*) => {
-        impl Stats {
-            $(
-                #[doc = concat!("Adds `n` to `", stringify!($name), "`.")]
-                pub(crate) fn $name(&self, n: u64) {
-                    self.$name.fetch_add(n, Ordering::Relaxed);
-                }
-            )*
-
-            /// The counters now.
-            pub fn snapshot(&self) -> Snapshot {
-                Snapshot { $($name: self.$name.load(Ordering::Relaxed)),* }
-            }
-        }
-    };
+impl Default for Stats {
+    fn default() -> Self {
+        Self::new("", "")
+    }
 }
 
-counters!(
-    received,
-    applied,
-    duplicates,
-    invalid,
-    retried,
-    dead_lettered,
-    infrastructure_retries,
-    sessions,
-    reconnects
-);
+impl Stats {
+    /// Metrics of the worker of `consumer_group` on `queue`: the two labels
+    /// every metric carries.
+    pub fn new(queue: &str, consumer_group: &str) -> Self {
+        let labels = [
+            ("queue".into(), queue.to_owned().into()),
+            ("consumer_group".into(), consumer_group.to_owned().into()),
+        ];
+        let mut registry = Registry::with_prefix_and_labels("idem", labels.into_iter());
+        let deliveries = Family::<Outcome, Counter>::default();
+        let outcome = |outcome| deliveries.get_or_create(&Outcome { outcome }).clone();
+        let stats = Self {
+            received: Counter::default(),
+            applied: outcome("applied"),
+            duplicates: outcome("duplicate"),
+            invalid: outcome("invalid"),
+            failed: outcome("failed"),
+            retried: outcome("retried"),
+            dead_lettered: outcome("dead_lettered"),
+            retries: Family::default(),
+            infrastructure_retries: Counter::default(),
+            sessions: Counter::default(),
+            reconnects: Counter::default(),
+            // 0.5 ms to about 16 s.
+            transaction_seconds: Histogram::new(exponential_buckets(0.000_5, 2.0, 16)),
+            batch_size: Histogram::new([
+                1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+            ]),
+            // 10 ms to about 3 hours: messages may wait in a wait queue.
+            latency_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 21)),
+            in_flight: Gauge::default(),
+            unacked: Gauge::default(),
+            consuming: Gauge::default(),
+            database_up: Gauge::default(),
+            pool: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "deliveries",
+            "Deliveries by what became of them: applied, duplicate, invalid (dead-lettered \
+             at once), failed (a transaction of the message failed), retried (sent for \
+             another attempt), dead_lettered (out of attempts)",
+            deliveries,
+        );
+        registry.register(
+            "received_deliveries",
+            "Deliveries taken from the broker",
+            stats.received.clone(),
+        );
+        registry.register(
+            "retries",
+            "Failed deliveries sent for another attempt, by the delay they wait",
+            stats.retries.clone(),
+        );
+        registry.register(
+            "database_retries",
+            "Statements retried because the database was unavailable (no attempt spent)",
+            stats.infrastructure_retries.clone(),
+        );
+        registry.register(
+            "sessions",
+            "Consuming sessions started, one per broker connection",
+            stats.sessions.clone(),
+        );
+        registry.register(
+            "reconnects",
+            "Broker connections reopened after a loss",
+            stats.reconnects.clone(),
+        );
+        registry.register_with_unit(
+            "transaction_duration",
+            "Claim-and-apply transactions, from the first attempt to commit or failure",
+            Unit::Seconds,
+            stats.transaction_seconds.clone(),
+        );
+        registry.register(
+            "batch_size",
+            "Deliveries per claim-and-apply transaction",
+            stats.batch_size.clone(),
+        );
+        registry.register_with_unit(
+            "end_to_end_latency",
+            "From a message's timestamp (set by its producer; idem publish does) to its ack",
+            Unit::Seconds,
+            stats.latency_seconds.clone(),
+        );
+        registry.register(
+            "batches_in_flight",
+            "Transactions being applied now",
+            stats.in_flight.clone(),
+        );
+        registry.register(
+            "unacked_deliveries",
+            "Deliveries taken and not yet settled with the broker",
+            stats.unacked.clone(),
+        );
+        registry.register(
+            "consuming",
+            "1 while a consumer is registered with the broker",
+            stats.consuming.clone(),
+        );
+        registry.register(
+            "database_up",
+            "1 unless transactions are held because the database is unavailable",
+            stats.database_up.clone(),
+        );
+        registry.register(
+            "pool_connections",
+            "PostgreSQL connections of the pool, by state (idle, in_use) and its limit (max)",
+            stats.pool.clone(),
+        );
+        Self { registry, ..stats }
+    }
+
+    /// The metrics in the OpenMetrics text format, which Prometheus reads.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            received: self.received.get(),
+            applied: self.applied.get(),
+            duplicates: self.duplicates.get(),
+            invalid: self.invalid.get(),
+            retried: self.retried.get(),
+            dead_lettered: self.dead_lettered.get(),
+            infrastructure_retries: self.infrastructure_retries.get(),
+            sessions: self.sessions.get(),
+            reconnects: self.reconnects.get(),
+        }
+    }
+
+    pub(crate) fn received(&self, n: u64) {
+        self.received.inc_by(n);
+    }
+
+    pub(crate) fn applied(&self, n: u64) {
+        self.applied.inc_by(n);
+    }
+
+    pub(crate) fn duplicates(&self, n: u64) {
+        self.duplicates.inc_by(n);
+    }
+
+    pub(crate) fn invalid(&self, n: u64) {
+        self.invalid.inc_by(n);
+    }
+
+    pub(crate) fn failed(&self, n: u64) {
+        self.failed.inc_by(n);
+    }
+
+    /// `n` deliveries sent for another attempt after waiting `delay`.
+    pub(crate) fn retried(&self, n: u64, delay: Duration) {
+        self.retried.inc_by(n);
+        self.retries
+            .get_or_create(&Delay {
+                delay: crate::duration::format(delay),
+            })
+            .inc_by(n);
+    }
+
+    pub(crate) fn dead_lettered(&self, n: u64) {
+        self.dead_lettered.inc_by(n);
+    }
+
+    pub(crate) fn infrastructure_retries(&self, n: u64) {
+        self.infrastructure_retries.inc_by(n);
+    }
+
+    pub(crate) fn sessions(&self, n: u64) {
+        self.sessions.inc_by(n);
+    }
+
+    pub(crate) fn reconnects(&self, n: u64) {
+        self.reconnects.inc_by(n);
+    }
+
+    /// A transaction of `size` deliveries took `took`.
+    pub(crate) fn transaction(&self, size: usize, took: Duration) {
+        self.batch_size.observe(size as f64);
+        self.transaction_seconds.observe(took.as_secs_f64());
+    }
+
+    /// A message was acked `latency` after its producer's timestamp.
+    pub(crate) fn latency(&self, latency: Duration) {
+        self.latency_seconds.observe(latency.as_secs_f64());
+    }
+
+    /// One more (or one fewer) transaction in flight.
+    pub(crate) fn in_flight(&self, change: i64) {
+        self.in_flight.inc_by(change);
+    }
+
+    pub(crate) fn unacked(&self, n: usize) {
+        self.unacked.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub(crate) fn consuming(&self, consuming: bool) {
+        self.consuming.set(i64::from(consuming));
+    }
+
+    /// True while a consumer is registered.
+    pub(crate) fn is_consuming(&self) -> bool {
+        self.consuming.get() == 1
+    }
+
+    pub(crate) fn database_up(&self, up: bool) {
+        self.database_up.set(i64::from(up));
+    }
+
+    /// The pool's connections now: in use, idle, and its limit.
+    pub(crate) fn pool(&self, status: deadpool_postgres::Status) {
+        let in_use = status.size.saturating_sub(status.available);
+        for (state, n) in [
+            ("in_use", in_use),
+            ("idle", status.available),
+            ("max", status.max_size),
+        ] {
+            self.pool
+                .get_or_create(&PoolState { state })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_metrics_carry_their_base_units_totals_and_bounded_labels() {
+        let stats = Stats::new("work", "group");
+        stats.applied(3);
+        stats.retried(1, Duration::from_secs(10));
+        stats.transaction(200, Duration::from_millis(4));
+        let text = stats.encode();
+        for line in [
+            r#"idem_deliveries_total{queue="work",consumer_group="group",outcome="applied"} 3"#,
+            r#"idem_retries_total{queue="work",consumer_group="group",delay="10s"} 1"#,
+            "# TYPE idem_transaction_duration_seconds histogram",
+            r#"idem_batch_size_count{queue="work",consumer_group="group"} 1"#,
+        ] {
+            assert!(text.contains(line), "{line} is missing from\n{text}");
+        }
+        assert_eq!(stats.snapshot().applied, 3);
+        assert_eq!(stats.snapshot().retried, 1);
+    }
+}

@@ -931,3 +931,46 @@ impl Drop for WorkerProcess {
         let _ = std::fs::remove_file(&self.log);
     }
 }
+
+/// A port nothing listens on now, for a server a test is about to start.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// `GET path` from the HTTP server on `127.0.0.1:port`: its status code and
+/// body.
+pub async fn http_get(port: u16, path: &str) -> anyhow::Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .context("no status line")?;
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// The value of the sample `name{labels…}` of a Prometheus text page whose
+/// labels include every one of `labels` (`outcome="applied"`, say).
+pub fn sample(page: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    page.lines().find_map(|line| {
+        let (series, value) = line.rsplit_once(' ')?;
+        let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+        (metric == name && labels.iter().all(|label| rest.contains(label)))
+            .then(|| value.parse().ok())?
+    })
+}

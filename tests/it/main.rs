@@ -31,6 +31,7 @@ mod handlers;
 mod helpers;
 mod idempotency;
 mod migrations;
+mod observe;
 mod proxy;
 mod publishing;
 mod retries;

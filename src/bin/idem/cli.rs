@@ -257,6 +257,18 @@ pub(crate) struct WorkerArgs {
         default_value_t = Wait(WorkerConfig::DEFAULT_SHUTDOWN_TIMEOUT)
     )]
     pub(crate) shutdown_timeout: Wait,
+    /// Serve /metrics (Prometheus), /healthz and /readyz on this address
+    /// (e.g. 127.0.0.1:9475) [default: nowhere].
+    #[arg(long, env = vars::HTTP_ADDR)]
+    pub(crate) http_addr: Option<std::net::SocketAddr>,
+    /// How often to log what was done (applied, duplicates, dead-lettered,
+    /// rate); `0` only logs the totals at the end.
+    #[arg(
+        long,
+        env = vars::SUMMARY_INTERVAL,
+        default_value_t = Wait(WorkerConfig::DEFAULT_SUMMARY_INTERVAL)
+    )]
+    pub(crate) summary_interval: Wait,
     #[command(flatten)]
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
@@ -659,6 +671,8 @@ impl WorkerArgs {
             max_body_bytes: self.max_body_bytes,
             shutdown_timeout: self.shutdown_timeout.0,
             startup_timeout: self.wait.startup_timeout.0,
+            http_addr: self.http_addr,
+            summary_interval: self.summary_interval.0,
             ..defaults
         })
     }

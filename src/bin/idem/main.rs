@@ -41,10 +41,10 @@ fn main() -> ExitCode {
     };
     let format = cli.log_format;
     let default_filter = match cli.command {
-        Command::Demo(_) | Command::Bench(_) => "warn,lapin=off",
+        Command::Demo(_) | Command::Bench(_) => "warn,lapin=off,tokio_postgres=warn",
         // lapin logs from its own task what it also returns to us, and we log
         // each error once, where it is handled.
-        _ => "info,lapin=off",
+        _ => "info,lapin=off,tokio_postgres=warn",
     };
     telemetry::init(default_filter, cli.log_format);
     // One thread: idem's own work per message is small next to lapin's I/O

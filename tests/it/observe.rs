@@ -1,0 +1,181 @@
+//! A running worker can be observed: its metrics, scraped under load, count
+//! what was published; it says it is ready when it consumes and the
+//! database answers, and not while it holds deliveries for the database;
+//! it logs what it did at an interval and its totals when it stops.
+
+use std::time::Duration;
+
+use idem::worker::Mode;
+
+use crate::helpers::{
+    DATABASE_URL, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, free_port,
+    http_get, load, sample, wait_for,
+};
+use crate::proxy::Proxy;
+
+async fn metrics_count_what_was_published_and_the_worker_is_ready(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let port = free_port()?;
+    let mut config = env.worker_config(mode);
+    config.http_addr = Some(([127, 0, 0, 1], port).into());
+    let worker = RunningWorker::start(config);
+    wait_for("ready", Duration::from_secs(20), || async {
+        Ok(http_get(port, "/readyz")
+            .await
+            .is_ok_and(|(code, _)| code == 200))
+    })
+    .await?;
+    assert_eq!(http_get(port, "/healthz").await?.0, 200);
+
+    let load = load(&env, 3000, 0.2, 20);
+    let invalid: Vec<Vec<u8>> = (0..7)
+        .map(|i| format!("not json {i}").into_bytes())
+        .collect();
+    env.publish_events(&load).await?;
+    env.publish_bodies(&invalid).await?;
+    let published = (load.len() + invalid.len()) as f64;
+    // Scraped while it works, and once it is done.
+    wait_for(
+        "every delivery counted",
+        Duration::from_secs(60),
+        || async {
+            let (code, page) = http_get(port, "/metrics").await?;
+            anyhow::ensure!(code == 200, "{code}");
+            let counted: f64 = ["applied", "duplicate", "invalid"]
+                .iter()
+                .map(|outcome| {
+                    sample(
+                        &page,
+                        "idem_deliveries_total",
+                        &[&format!("outcome=\"{outcome}\"")],
+                    )
+                    .unwrap_or(0.0)
+                })
+                .sum();
+            Ok(counted == published)
+        },
+    )
+    .await?;
+    let (_, page) = http_get(port, "/metrics").await?;
+    let queue = format!("queue=\"{}\"", env.topology.queue);
+    let outcome = |outcome: &str| {
+        sample(
+            &page,
+            "idem_deliveries_total",
+            &[&queue, &format!("outcome=\"{outcome}\"")],
+        )
+    };
+    let distinct = idem::generate::distinct_events(&load);
+    assert_eq!(outcome("applied"), Some(distinct as f64), "{page}");
+    assert_eq!(outcome("duplicate"), Some((load.len() - distinct) as f64));
+    assert_eq!(outcome("invalid"), Some(invalid.len() as f64));
+    assert_eq!(outcome("dead_lettered"), Some(0.0));
+    assert_eq!(
+        sample(&page, "idem_received_deliveries_total", &[&queue]),
+        Some(published)
+    );
+    let transactions = sample(&page, "idem_transaction_duration_seconds_count", &[]);
+    assert!(transactions.is_some_and(|n| n > 0.0), "{page}");
+    let measured = sample(&page, "idem_end_to_end_latency_seconds_count", &[]);
+    assert_eq!(
+        measured,
+        Some((load.len()) as f64),
+        "every acked delivery, from its timestamp"
+    );
+    assert_eq!(sample(&page, "idem_database_up", &[]), Some(1.0));
+    assert_eq!(sample(&page, "idem_consuming", &[]), Some(1.0));
+    assert_eq!(sample(&page, "idem_batches_in_flight", &[]), Some(0.0));
+    assert!(sample(&page, "idem_pool_connections", &["state=\"max\""]).is_some_and(|n| n > 0.0));
+    assert!(page.trim_end().ends_with("# EOF"));
+    worker.stop().await?;
+    assert_exact(&env, &load, &invalid).await
+}
+
+async fn the_worker_is_not_ready_while_it_holds_deliveries_for_the_database(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let database = Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let port = free_port()?;
+    let mut config = env.worker_config_via(mode, None, Some(database.port));
+    config.http_addr = Some(([127, 0, 0, 1], port).into());
+    let worker = RunningWorker::start(config);
+    wait_for("ready", Duration::from_secs(20), || async {
+        Ok(http_get(port, "/readyz")
+            .await
+            .is_ok_and(|(code, _)| code == 200))
+    })
+    .await?;
+    database.sever();
+    let load = load(&env, 200, 0.1, 5);
+    env.publish_events(&load).await?;
+    wait_for("not ready", Duration::from_secs(20), || async {
+        Ok(http_get(port, "/readyz").await?
+            == (
+                503,
+                "the database is unavailable: deliveries are held\n".to_owned(),
+            ))
+    })
+    .await?;
+    let (_, page) = http_get(port, "/metrics").await?;
+    assert_eq!(sample(&page, "idem_database_up", &[]), Some(0.0), "{page}");
+    assert!(sample(&page, "idem_database_retries_total", &[]).is_some_and(|n| n > 0.0));
+    assert_eq!(
+        http_get(port, "/healthz").await?.0,
+        200,
+        "alive all the same"
+    );
+    database.restore();
+    wait_for("ready again", Duration::from_secs(30), || async {
+        Ok(http_get(port, "/readyz").await?.0 == 200)
+    })
+    .await?;
+    wait_for("every event", Duration::from_secs(30), || async {
+        Ok(worker.stats.snapshot().finished() == load.len() as u64)
+    })
+    .await?;
+    worker.stop().await?;
+    assert_exact(&env, &load, &[]).await
+}
+
+async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let load = load(&env, 500, 0.2, 5);
+    env.publish_events(&load).await?;
+    let worker = WorkerProcess::spawn(
+        &env,
+        mode,
+        &amqp_url(),
+        DATABASE_URL,
+        &["--summary-interval", "1s"],
+    )?;
+    wait_for("a summary line", Duration::from_secs(30), || async {
+        Ok(worker.log().contains("in the last 1s: applied"))
+    })
+    .await?;
+    wait_for("every event", Duration::from_secs(30), || async {
+        Ok(env.records(crate::helpers::GROUP).await?
+            == idem::generate::distinct_events(&load) as i64)
+    })
+    .await?;
+    let log = worker.stop().await?;
+    let distinct = idem::generate::distinct_events(&load);
+    assert!(
+        log.contains(&format!(
+            "worker stopped: applied {distinct}, duplicates {}, invalid 0, retried 0, dead-lettered 0",
+            load.len() - distinct
+        )),
+        "{log}"
+    );
+    Ok(())
+}
+
+in_both_modes!(
+    metrics_count_what_was_published_and_the_worker_is_ready,
+    the_worker_is_not_ready_while_it_holds_deliveries_for_the_database,
+    the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops,
+);
