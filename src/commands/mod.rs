@@ -5,3 +5,4 @@ pub mod bench;
 pub mod demo;
 pub mod dlq;
 pub mod publish;
+pub mod status;

@@ -12,7 +12,7 @@ pub mod migrate;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use backon::Retryable;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
@@ -512,6 +512,31 @@ impl Store {
         }
         let client = self.pool.get().await?;
         Ok(ledger::entries(&client, event_ids, &self.consumer_group).await?)
+    }
+
+    /// How many consume records this consumer group has, and when the
+    /// oldest was written.
+    pub async fn records(&self) -> Result<(i64, Option<SystemTime>), StoreError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*), min(consumed_at) FROM mq_consume_record WHERE consumer_group = $1",
+                &[&self.consumer_group],
+            )
+            .await?;
+        Ok((row.try_get(0)?, row.try_get(1)?))
+    }
+
+    /// How many events of this consumer group the failure ledger holds.
+    pub async fn failing(&self) -> Result<i64, StoreError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM mq_failure_ledger WHERE consumer_group = $1",
+                &[&self.consumer_group],
+            )
+            .await?;
+        Ok(row.try_get(0)?)
     }
 
     /// Which of `event_ids` this consumer group applied already.

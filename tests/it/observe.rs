@@ -179,3 +179,80 @@ in_both_modes!(
     the_worker_is_not_ready_while_it_holds_deliveries_for_the_database,
     the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops,
 );
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    // A wait long enough to see the failing message in its wait queue.
+    let topology = idem::broker::Topology {
+        retry_delays: vec![Duration::from_secs(60)],
+        ..env.topology.clone()
+    };
+    env.declare(&topology).await?;
+    let load = load(&env, 100, 0.1, 5);
+    let poison = idem::points::PaymentSucceeded {
+        event_id: format!("{}-poison", env.name),
+        order_id: "poison-order".into(),
+        points: 1,
+    };
+    env.publish_events(&load).await?;
+    env.publish_events(std::slice::from_ref(&poison)).await?;
+    env.publish_bodies(&[b"not json".to_vec(), b"nor this".to_vec()])
+        .await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.topology = topology.clone();
+    let worker = RunningWorker::start(config);
+    let wait_queue = topology.wait_queue(Duration::from_secs(60));
+    wait_for(
+        "the poison message waiting",
+        Duration::from_secs(30),
+        || async {
+            Ok(env.ready(&wait_queue).await? == 1
+                && env.ready(&env.topology.dead_letter_queue).await? == 2)
+        },
+    )
+    .await?;
+    worker.stop().await?;
+
+    let output = crate::helpers::idem_command(&env, &amqp_url(), DATABASE_URL)
+        .args(["status", "--retry-delays", "60s"])
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let row = |queue: &str| {
+        stdout
+            .lines()
+            .find(|line| line.split_whitespace().next() == Some(queue))
+            .map(|line| {
+                line.split_whitespace()
+                    .skip(1)
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+    };
+    assert_eq!(row(&env.topology.queue).as_deref(), Some("0 0"), "{stdout}");
+    assert_eq!(row(&wait_queue).as_deref(), Some("1 0"), "{stdout}");
+    assert_eq!(
+        row(&env.topology.dead_letter_queue).as_deref(),
+        Some("2 0"),
+        "{stdout}"
+    );
+    let distinct = idem::generate::distinct_events(&load);
+    assert!(
+        stdout.contains(&format!("consume records    {distinct} (oldest 20")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("failure ledger     1 event(s) failing"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("dead letters       rejected 2"), "{stdout}");
+    Ok(())
+}

@@ -15,6 +15,7 @@ use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
 use idem::commands::dlq::{Action, DlqConfig, Filter, View};
 use idem::commands::publish::{PublishConfig, Source};
+use idem::commands::status::StatusConfig;
 use idem::duration;
 use idem::generate::LoadSpec;
 use idem::points::{self, PaymentSucceeded};
@@ -61,6 +62,8 @@ pub(crate) enum Command {
     /// Dead-letter triage: a summary, a listing, a replay or a discard, of
     /// the dead letters that match the filters.
     Dlq(DlqArgs),
+    /// A consumer group at a glance: its queues, records, ledger and dead letters.
+    Status(StatusArgs),
     /// Run the whole story on local services, on data of its own, and report.
     Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
@@ -433,6 +436,45 @@ pub(crate) struct DiscardArgs {
     pub(crate) to: PathBuf,
     #[command(flatten)]
     pub(crate) filter: FilterArgs,
+}
+
+/// `idem status`.
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) queues: QueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+impl StatusArgs {
+    /// Settings of `idem status`.
+    pub(crate) fn config(&self) -> Result<StatusConfig, SettingError> {
+        let queues = &self.queues;
+        Ok(StatusConfig {
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            topology: Topology {
+                retry_delays: queues.retry_delays.0.clone(),
+                // No exchange of the group is looked at.
+                ..Topology::new(
+                    "",
+                    "",
+                    &queues.queue,
+                    &queues.dead_letter_exchange,
+                    &queues.dead_letters.dead_letter_queue,
+                )
+            },
+            consumer_group: self.group.consumer_group()?,
+            patience: self.wait.startup_timeout.0,
+        })
+    }
 }
 
 /// `idem demo`.

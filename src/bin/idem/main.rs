@@ -15,7 +15,7 @@ mod cli;
 
 use cli::{Cli, Command};
 use idem::commands::dlq::{self, Printed};
-use idem::commands::{bench, demo, publish};
+use idem::commands::{bench, demo, publish, status};
 use idem::points::Points;
 use idem::store::migrate;
 use idem::telemetry::{self, LogFormat};
@@ -113,6 +113,10 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         Command::Dlq(args) => {
             let (config, action, view) = args.config()?;
             return dead_letters(&config, &action, view, &shutdown).await;
+        }
+        Command::Status(args) => {
+            let status = status::run(&args.config()?, &Points, &shutdown).await?;
+            println!("{status}");
         }
         Command::Bench(args) => {
             let report = bench::run(&args.config()?, &shutdown).await?;

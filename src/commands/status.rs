@@ -1,0 +1,167 @@
+//! `idem status`: a consumer group at a glance. The work, wait and
+//! dead-letter queues (depth and consumers), the consume records (count,
+//! oldest), the failure ledger, and the dead letters per reason.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use tokio_util::sync::CancellationToken;
+
+use super::dlq::{self, Action, DlqConfig, Filter, printable};
+use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry};
+use crate::duration::rfc3339;
+use crate::handler::Handler;
+use crate::store::{DatabaseConfig, ReadyError, Store};
+
+/// Whose status.
+#[derive(Debug, Clone)]
+pub struct StatusConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// The database.
+    pub database: DatabaseConfig,
+    /// The consumer group's queues.
+    pub topology: Topology,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// How long to wait for the services.
+    pub patience: Duration,
+}
+
+/// One queue's state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueState {
+    /// The queue.
+    pub name: String,
+    /// Ready messages and consumers; `None` when the queue does not exist.
+    pub counts: Option<(u32, u32)>,
+}
+
+/// What `idem status` saw.
+#[derive(Debug)]
+pub struct Status {
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The work queue, the wait queues, the dead-letter queue.
+    pub queues: Vec<QueueState>,
+    /// Consume records of the group, and when the oldest was written.
+    pub records: (i64, Option<SystemTime>),
+    /// Events of the group the failure ledger holds.
+    pub failing: i64,
+    /// Dead letters per reason of their latest death.
+    pub dead_letters: BTreeMap<String, usize>,
+}
+
+/// Looks at the consumer group's queues and tables; moves nothing.
+pub async fn run<H: Handler>(
+    config: &StatusConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Status> {
+    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    match store.wait_until_ready::<H>(config.patience, shutdown).await {
+        Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
+        ready => ready?,
+    }
+    let records = store.records().await?;
+    let failing = store.failing().await?;
+    let connection =
+        connect_with_retry(&config.amqp, "idem status", config.patience, shutdown).await?;
+    let mut queues = Vec::new();
+    for name in config.topology.queues() {
+        // A passive declare of a missing queue closes its channel: one each.
+        let channel = connection.create_channel().await?;
+        let declared = channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        let counts = declared
+            .ok()
+            .map(|queue| (queue.message_count(), queue.consumer_count()));
+        if counts.is_some() {
+            close_channel(&channel).await;
+        }
+        queues.push(QueueState { name, counts });
+    }
+    close(&connection).await;
+    let dead_letters = dlq::run(
+        &DlqConfig {
+            amqp: config.amqp.clone(),
+            database: config.database.clone(),
+            consumer_group: config.consumer_group.clone(),
+            dead_letter_queue: config.topology.dead_letter_queue.clone(),
+            filter: Filter::default(),
+            limit: None,
+            patience: config.patience,
+        },
+        &Action::List,
+        handler,
+        shutdown,
+    )
+    .await?
+    .summary()
+    .reasons;
+    Ok(Status {
+        consumer_group: config.consumer_group.clone(),
+        queues,
+        records,
+        failing,
+        dead_letters,
+    })
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "consumer group {}", printable(&self.consumer_group))?;
+        let width = self.queues.iter().map(|q| q.name.len()).max().unwrap_or(0);
+        writeln!(
+            f,
+            "  {:<width$}  {:>9}  {:>9}",
+            "queue", "ready", "consumers"
+        )?;
+        for queue in &self.queues {
+            match queue.counts {
+                Some((ready, consumers)) => writeln!(
+                    f,
+                    "  {:<width$}  {ready:>9}  {consumers:>9}",
+                    printable(&queue.name)
+                )?,
+                None => writeln!(
+                    f,
+                    "  {:<width$}  (missing: the worker declares it)",
+                    printable(&queue.name)
+                )?,
+            }
+        }
+        let (records, oldest) = self.records;
+        write!(f, "  consume records    {records}")?;
+        if let Some(oldest) = oldest.and_then(|t| t.duration_since(UNIX_EPOCH).ok()) {
+            write!(f, " (oldest {})", rfc3339(oldest.as_secs()))?;
+        }
+        writeln!(f)?;
+        writeln!(f, "  failure ledger     {} event(s) failing", self.failing)?;
+        let reasons: Vec<String> = self
+            .dead_letters
+            .iter()
+            .map(|(reason, n)| format!("{} {n}", printable(reason)))
+            .collect();
+        write!(
+            f,
+            "  dead letters       {}",
+            if reasons.is_empty() {
+                "none".to_owned()
+            } else {
+                reasons.join(", ")
+            }
+        )
+    }
+}
