@@ -104,6 +104,7 @@
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
 //! - [`duration`] — durations as flags and queue names write them.
+//! - [`progress`] — how far long work got: a bar, or lines.
 //! - [`backoff`] — the retry schedules.
 //! - [`secret`] — connection strings that never print their password.
 //! - [`tls`] — CA files and TLS handshake failures, for both connections.
@@ -117,6 +118,7 @@ pub mod duration;
 pub mod generate;
 pub mod handler;
 pub mod points;
+pub mod progress;
 pub mod secret;
 pub mod store;
 pub mod telemetry;

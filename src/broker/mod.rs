@@ -11,6 +11,7 @@ pub use connection::{
     close_channel, connect, connect_with_retry, failure, first_refusal, log_blocked, refusal,
 };
 pub use publisher::{
-    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, settle,
+    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, publish_showing,
+    settle,
 };
 pub use topology::{Topology, TopologyError, ready_messages};

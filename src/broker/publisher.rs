@@ -11,6 +11,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
+use crate::progress::Progress;
+
 use super::connection::{
     AmqpConfig, Reconnects, SessionError, close, close_channel, connect_with_retry, first_refusal,
     log_blocked,
@@ -187,6 +189,18 @@ pub async fn publish_all(
     options: &PublishOptions,
     shutdown: &CancellationToken,
 ) -> Result<PublishReport, SessionError> {
+    publish_showing(amqp, messages, options, &Progress::hidden(), shutdown).await
+}
+
+/// [`publish_all`], counting each message the broker answered for in
+/// `progress`.
+pub async fn publish_showing(
+    amqp: &AmqpConfig,
+    messages: &[Outgoing],
+    options: &PublishOptions,
+    progress: &Progress,
+    shutdown: &CancellationToken,
+) -> Result<PublishReport, SessionError> {
     let mut report = PublishReport::default();
     let mut todo: VecDeque<usize> = (0..messages.len()).collect();
     let mut sent = vec![false; messages.len()];
@@ -203,6 +217,7 @@ pub async fn publish_all(
                     todo: &mut todo,
                     sent: &mut sent,
                     report: &mut report,
+                    progress,
                 };
                 let lost = batch.publish_on(&channel, options.window, shutdown).await;
                 if lost.is_none() {
@@ -245,6 +260,7 @@ struct Batch<'a> {
     /// Which indices were sent at least once, to count resends.
     sent: &'a mut [bool],
     report: &'a mut PublishReport,
+    progress: &'a Progress,
 }
 
 impl Batch<'_> {
@@ -279,8 +295,14 @@ impl Batch<'_> {
                 return lost;
             };
             match outcome {
-                Ok(Ok(())) => self.report.confirmed += 1,
-                Ok(Err(refusal)) => self.report.refused.push((index, refusal)),
+                Ok(Ok(())) => {
+                    self.report.confirmed += 1;
+                    self.progress.inc(1);
+                }
+                Ok(Err(refusal)) => {
+                    self.report.refused.push((index, refusal));
+                    self.progress.inc(1);
+                }
                 Err(error) => {
                     self.todo.push_back(index);
                     lost = first_refusal(lost, error);

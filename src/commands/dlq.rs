@@ -31,6 +31,7 @@ use crate::broker::{
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
+use crate::progress::Progress;
 use crate::store::{DatabaseConfig, LedgerEntry, ReadyError, Store, StoreError};
 
 /// Which dead-letter queue, and how to reach the failure ledger.
@@ -154,6 +155,18 @@ pub async fn run<H: Handler>(
     handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Report> {
+    run_showing(config, action, handler, &Progress::hidden(), shutdown).await
+}
+
+/// [`run`], counting in `progress` the dead letters looked at, of those in
+/// the queue when it started.
+pub async fn run_showing<H: Handler>(
+    config: &DlqConfig,
+    action: &Action,
+    handler: &H,
+    progress: &Progress,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Report> {
     let mut report = Report {
         queue: config.dead_letter_queue.clone(),
         file: match action {
@@ -189,6 +202,7 @@ pub async fn run<H: Handler>(
             config,
             action,
             handler,
+            progress,
             store: &store,
             discards: discards.as_mut(),
             report: &mut report,
@@ -253,6 +267,7 @@ struct Pass<'a, H> {
     config: &'a DlqConfig,
     action: &'a Action,
     handler: &'a H,
+    progress: &'a Progress,
     store: &'a Store,
     discards: Option<&'a mut std::fs::File>,
     report: &'a mut Report,
@@ -294,9 +309,14 @@ impl<H: Handler> Pass<'_, H> {
                     in_queue = Some(0);
                     break;
                 };
-                let left = in_queue.get_or_insert(message.message_count as usize + 1);
+                let left = in_queue.get_or_insert_with(|| {
+                    let in_queue = message.message_count as usize + 1;
+                    self.progress.set_total(in_queue as u64);
+                    in_queue
+                });
                 *left -= 1;
                 self.report.seen += 1;
+                self.progress.inc(1);
                 chunk.push(self.letter(message.delivery));
             }
             if chunk.is_empty() {

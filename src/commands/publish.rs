@@ -9,9 +9,10 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{AmqpConfig, Outgoing, PublishOptions, PublishReport, publish_all};
+use crate::broker::{AmqpConfig, Outgoing, PublishOptions, PublishReport, publish_showing};
 use crate::generate::{self, LoadSpec};
 use crate::points::PaymentSucceeded;
+use crate::progress::Progress;
 
 /// Where the events come from.
 #[derive(Debug, Clone)]
@@ -49,6 +50,9 @@ pub struct PublishConfig {
 pub struct Summary {
     /// Messages read from the source.
     pub messages: usize,
+    /// Distinct events among them (a producer's retry repeats one; a body
+    /// that is not an event counts as none).
+    pub events: usize,
     /// The broker's answers.
     pub report: PublishReport,
 }
@@ -58,8 +62,8 @@ impl fmt::Display for Summary {
         let report = &self.report;
         write!(
             f,
-            "published {} messages: {} confirmed",
-            self.messages, report.confirmed
+            "published {} messages ({} distinct events): {} confirmed",
+            self.messages, self.events, report.confirmed
         )?;
         if !report.refused.is_empty() {
             write!(f, ", {} refused", report.refused.len())?;
@@ -97,14 +101,29 @@ pub async fn run(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Summary> {
     let bodies = bodies(source)?;
+    let events = bodies
+        .iter()
+        .filter_map(|body| PaymentSucceeded::parse(body).ok().map(|e| e.event_id))
+        .collect::<std::collections::HashSet<_>>()
+        .len();
     let messages: Vec<Outgoing> = bodies
         .into_iter()
         .map(|body| Outgoing::json(&config.exchange, &config.routing_key, body))
         .collect();
-    let report = publish_all(&config.amqp, &messages, &config.options, shutdown).await?;
+    let progress = Progress::new("publishing", messages.len() as u64);
+    let report = publish_showing(
+        &config.amqp,
+        &messages,
+        &config.options,
+        &progress,
+        shutdown,
+    )
+    .await;
+    progress.finish();
     Ok(Summary {
         messages: messages.len(),
-        report,
+        events,
+        report: report?,
     })
 }
 

@@ -204,12 +204,26 @@ async fn publish_exits_non_zero_when_a_message_is_returned() -> anyhow::Result<(
         "--seed",
         "1",
     ]);
+    command.env("RUST_LOG", "info");
     let (code, stdout, stderr) = output(command).await?;
     assert_eq!(code, Some(0), "{stdout}{stderr}");
+    let distinct =
+        idem::generate::distinct_events(&idem::generate::events(&idem::generate::LoadSpec {
+            count: 20,
+            duplicate_ratio: 0.5,
+            orders: 3,
+            seed: 1,
+            prefix: "load-1".into(),
+        }));
+    assert!(distinct < 20);
     assert!(
-        stdout.contains("published 20 messages: 20 confirmed"),
+        stdout.contains(&format!(
+            "published 20 messages ({distinct} distinct events): 20 confirmed"
+        )),
         "{stdout}"
     );
+    // Not on a terminal: progress as log lines, the last one at the end.
+    assert!(stderr.contains("publishing: 20 of 20"), "{stderr}");
     assert_eq!(env.ready(&env.topology.queue).await?, 20);
     Ok(())
 }

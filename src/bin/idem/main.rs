@@ -17,6 +17,7 @@ use cli::{Cli, Command};
 use idem::commands::dlq::{self, Printed};
 use idem::commands::{bench, demo, publish, status};
 use idem::points::Points;
+use idem::progress::Progress;
 use idem::store::migrate;
 use idem::telemetry::{self, LogFormat};
 use idem::worker::Worker;
@@ -138,7 +139,14 @@ async fn dead_letters(
     view: dlq::View,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<ExitCode> {
-    let report = dlq::run(config, action, &Points, shutdown).await?;
+    let progress = match action {
+        dlq::Action::List => Progress::hidden(),
+        dlq::Action::Replay { .. } => Progress::new("replaying", 0),
+        dlq::Action::Discard { .. } => Progress::new("discarding", 0),
+    };
+    let report = dlq::run_showing(config, action, &Points, &progress, shutdown).await;
+    progress.finish();
+    let report = report?;
     println!(
         "{}",
         Printed {

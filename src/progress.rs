@@ -1,0 +1,123 @@
+//! Long work shows how far it got: a bar on a terminal (done of total,
+//! rate, time left), a log line at intervals elsewhere (a pipe, a log
+//! shipper), nothing at all for work run inside a test or another command.
+
+use std::io::IsTerminal;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+use tracing::info;
+
+/// How often a line is logged when there is no terminal to draw on.
+const LINE_EVERY: Duration = Duration::from_secs(5);
+
+/// The progress of one piece of work; cheap to clone, shared by the tasks
+/// that make it.
+#[derive(Debug, Clone)]
+pub struct Progress(Option<Arc<Shown>>);
+
+#[derive(Debug)]
+enum Shown {
+    Bar(ProgressBar),
+    Lines {
+        what: &'static str,
+        total: AtomicU64,
+        done: AtomicU64,
+        started: Instant,
+        last: Mutex<Instant>,
+    },
+}
+
+impl Progress {
+    /// Shows nothing.
+    pub fn hidden() -> Self {
+        Self(None)
+    }
+
+    /// Progress of `what` ("publishing") over `total` items: a bar when
+    /// standard error is a terminal, a line every few seconds when not.
+    pub fn new(what: &'static str, total: u64) -> Self {
+        let shown = if std::io::stderr().is_terminal() {
+            let bar = ProgressBar::new(total).with_message(what);
+            let template = "{msg} {wide_bar} {pos}/{len} {per_sec} eta {eta}";
+            if let Ok(style) = ProgressStyle::with_template(template) {
+                bar.set_style(style);
+            }
+            Shown::Bar(bar)
+        } else {
+            Shown::Lines {
+                what,
+                total: AtomicU64::new(total),
+                done: AtomicU64::new(0),
+                started: Instant::now(),
+                last: Mutex::new(Instant::now()),
+            }
+        };
+        Self(Some(Arc::new(shown)))
+    }
+
+    /// The total, once it is known.
+    pub fn set_total(&self, total: u64) {
+        match self.0.as_deref() {
+            Some(Shown::Bar(bar)) => bar.set_length(total),
+            Some(Shown::Lines { total: known, .. }) => known.store(total, Ordering::Relaxed),
+            None => {}
+        }
+    }
+
+    /// `n` more done.
+    pub fn inc(&self, n: u64) {
+        match self.0.as_deref() {
+            Some(Shown::Bar(bar)) => bar.inc(n),
+            Some(shown @ Shown::Lines { done, last, .. }) => {
+                done.fetch_add(n, Ordering::Relaxed);
+                let due = last.lock().is_ok_and(|mut last| {
+                    let due = last.elapsed() >= LINE_EVERY;
+                    if due {
+                        *last = Instant::now();
+                    }
+                    due
+                });
+                if due {
+                    shown.line();
+                }
+            }
+            None => {}
+        }
+    }
+
+    /// Done: the bar is cleared (the summary follows), or a last line logged.
+    pub fn finish(&self) {
+        match self.0.as_deref() {
+            Some(Shown::Bar(bar)) => bar.finish_and_clear(),
+            Some(shown @ Shown::Lines { .. }) => shown.line(),
+            None => {}
+        }
+    }
+}
+
+impl Shown {
+    fn line(&self) {
+        let Shown::Lines {
+            what,
+            total,
+            done,
+            started,
+            ..
+        } = self
+        else {
+            return;
+        };
+        let (done, total) = (done.load(Ordering::Relaxed), total.load(Ordering::Relaxed));
+        let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
+        let left = total.saturating_sub(done) as f64 / rate.max(1e-3);
+        info!(
+            done,
+            total,
+            "{what}: {done} of {total} ({rate:.0}/s, about {} left)",
+            crate::duration::format(Duration::from_secs(left.ceil() as u64))
+        );
+    }
+}
