@@ -88,12 +88,15 @@ impl Progress {
         }
     }
 
-    /// Done: the bar is cleared (the summary follows), or a last line logged.
-    pub fn finish(&self) {
+    /// Ends the progress of work that `outcome` says how it ended. Either
+    /// way the bar is cleared, for the summary or the error follows; a log
+    /// gets a last line with the rate reached, unless the work failed (the
+    /// error says how far it got) or there was none.
+    pub fn finish<T, E>(&self, outcome: &Result<T, E>) {
         match self.0.as_deref() {
             Some(Shown::Bar(bar)) => bar.finish_and_clear(),
-            Some(shown @ Shown::Lines { .. }) => shown.line(),
-            None => {}
+            Some(shown @ Shown::Lines { .. }) if outcome.is_ok() => shown.line(),
+            _ => {}
         }
     }
 }
@@ -112,7 +115,10 @@ impl Shown {
         };
         let (done, total) = (done.load(Ordering::Relaxed), total.load(Ordering::Relaxed));
         let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
-        let left = total.saturating_sub(done) as f64 / rate.max(1e-3);
+        if done == 0 {
+            return;
+        }
+        let left = total.saturating_sub(done) as f64 / rate;
         info!(
             done,
             total,

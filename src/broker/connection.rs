@@ -309,50 +309,60 @@ impl Reconnects {
     }
 }
 
-/// Resolves, with what went wrong, at the first error of `connection` or of
-/// one of its channels (a lost socket, a channel the broker closed). It
-/// listens from the moment it is called: call it before the work it watches.
-pub fn failure(connection: &Connection) -> impl Future<Output = String> + Send + 'static {
-    let mut events = connection.events_listener();
-    async move {
-        while let Some(event) = events.next().await {
-            if let lapin::Event::Error(error) = event {
-                return error.to_string();
+/// Watches a connection's events for as long as it lives: logs each time
+/// the broker blocks it (a memory or disk alarm stops publishers;
+/// `connection.blocked`) with the broker's reason, and when it unblocks it;
+/// and tells when the connection fails. One watch per connection: lapin
+/// hands each event to one listener only, so two would steal each other's.
+#[derive(Debug)]
+pub struct ConnectionWatch {
+    task: tokio::task::JoinHandle<()>,
+    lost: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl ConnectionWatch {
+    /// Starts watching `connection`, before the work it watches. `doing`
+    /// names the work in the lines: consuming, publishing, replaying.
+    pub fn start(connection: &Connection, doing: &'static str) -> Self {
+        let mut events = connection.events_listener();
+        let (tell, lost) = tokio::sync::watch::channel(None);
+        let task = tokio::spawn(async move {
+            while let Some(event) = events.next().await {
+                match event {
+                    lapin::Event::Error(error) => {
+                        tell.send_replace(Some(error.to_string()));
+                    }
+                    lapin::Event::ConnectionBlocked(reason) => warn!(
+                        %reason,
+                        "RabbitMQ blocked the connection (an alarm stops publishers): {doing} waits until it unblocks"
+                    ),
+                    lapin::Event::ConnectionUnblocked => {
+                        tracing::info!("RabbitMQ unblocked the connection: {doing} goes on")
+                    }
+                    _ => {}
+                }
+            }
+        });
+        Self { task, lost }
+    }
+
+    /// Resolves, with what went wrong, at the first error of the connection
+    /// or of one of its channels (a lost socket, a channel the broker
+    /// closed) since the watch started.
+    pub fn lost(&self) -> impl Future<Output = String> + Send + 'static {
+        let mut lost = self.lost.clone();
+        async move {
+            match lost.wait_for(Option::is_some).await {
+                Ok(reason) => reason.clone().unwrap_or_default(),
+                Err(_) => "the connection closed".to_owned(),
             }
         }
-        "the connection closed".to_owned()
     }
 }
 
-/// Logs each time the broker blocks `connection` (a memory or disk alarm
-/// stops publishers; `connection.blocked`), with the broker's reason, and
-/// when it unblocks it, for as long as the returned guard lives. `doing`
-/// names the work in the lines: publishing, replaying dead letters.
-pub fn log_blocked(connection: &Connection, doing: &'static str) -> Blocked {
-    let mut events = connection.events_listener();
-    Blocked(tokio::spawn(async move {
-        while let Some(event) = events.next().await {
-            match event {
-                lapin::Event::ConnectionBlocked(reason) => warn!(
-                    %reason,
-                    "RabbitMQ blocked the connection (an alarm stops publishers): {doing} waits until it unblocks"
-                ),
-                lapin::Event::ConnectionUnblocked => {
-                    tracing::info!("RabbitMQ unblocked the connection: {doing} goes on")
-                }
-                _ => {}
-            }
-        }
-    }))
-}
-
-/// Stops logging a connection's blocks when dropped.
-#[derive(Debug)]
-pub struct Blocked(tokio::task::JoinHandle<()>);
-
-impl Drop for Blocked {
+impl Drop for ConnectionWatch {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
     }
 }
 

@@ -7,8 +7,8 @@ mod publisher;
 mod topology;
 
 pub use connection::{
-    AmqpConfig, Blocked, ConnectError, Reconnects, SessionError, access_refused, close,
-    close_channel, connect, connect_with_retry, failure, first_refusal, log_blocked, refusal,
+    AmqpConfig, ConnectError, ConnectionWatch, Reconnects, SessionError, access_refused, close,
+    close_channel, connect, connect_with_retry, first_refusal, refusal,
 };
 pub use publisher::{
     ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, publish_showing,

@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::progress::Progress;
 
 use super::connection::{
-    AmqpConfig, Reconnects, SessionError, close, close_channel, connect_with_retry, first_refusal,
-    log_blocked,
+    AmqpConfig, ConnectionWatch, Reconnects, SessionError, close, close_channel,
+    connect_with_retry, first_refusal,
 };
 
 /// A message to publish.
@@ -209,7 +209,7 @@ pub async fn publish_showing(
         let settled = report.confirmed + report.refused.len();
         let connection =
             connect_with_retry(amqp, "idem publish", options.patience, shutdown).await?;
-        let _blocked = log_blocked(&connection, "publishing");
+        let _watch = ConnectionWatch::start(&connection, "publishing");
         let lost = match ConfirmChannel::open(&connection).await {
             Ok(channel) => {
                 let mut batch = Batch {

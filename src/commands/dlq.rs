@@ -26,8 +26,8 @@ use tracing::warn;
 
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, Outgoing, Reconnects, close, close_channel, connect_with_retry,
-    log_blocked, settle,
+    AmqpConfig, ConfirmChannel, ConnectionWatch, Outgoing, Reconnects, close, close_channel,
+    connect_with_retry, settle,
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
@@ -197,7 +197,7 @@ pub async fn run_showing<H: Handler>(
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();
         let connection =
             connect_with_retry(&config.amqp, "idem dlq", config.patience, shutdown).await?;
-        let _blocked = log_blocked(&connection, "replaying dead letters");
+        let _watch = ConnectionWatch::start(&connection, "replaying dead letters");
         let pass = Pass {
             config,
             action,

@@ -119,7 +119,7 @@ pub async fn run(
         shutdown,
     )
     .await;
-    progress.finish();
+    progress.finish(&report);
     Ok(Summary {
         messages: messages.len(),
         events,

@@ -29,8 +29,8 @@ use tracing::{Instrument, error, info, info_span, warn};
 pub use stats::{Snapshot, Stats};
 
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, ConnectError, Topology, TopologyError, close, close_channel,
-    connect_with_retry, failure, log_blocked,
+    AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Topology, TopologyError, close,
+    close_channel, connect_with_retry,
 };
 use crate::caught;
 use crate::handler::Handler;
@@ -320,6 +320,11 @@ impl<H: Handler> Worker<H> {
             endpoints.abort();
         }
         let totals = stats.snapshot();
+        // A worker that never consumed has nothing to total: its error is
+        // the one line to read.
+        if totals.sessions == 0 {
+            return result;
+        }
         info!(
             applied = totals.applied,
             duplicates = totals.duplicates,
@@ -355,10 +360,10 @@ async fn reconnecting<H: Handler>(
                 Err(ConnectError::Interrupted) => return Ok(()),
                 Err(error) => return Err(error.into()),
             };
-        let _blocked = log_blocked(&connection, "consuming");
+        let watch = ConnectionWatch::start(&connection, "consuming");
         patience = RECONNECT_PATIENCE;
         let started = Instant::now();
-        let end = session(config, &connection, processor, shutdown).await;
+        let end = session(config, &connection, &watch, processor, shutdown).await;
         close(&connection).await;
         match end? {
             SessionEnd::Drained => return Ok(()),
@@ -410,10 +415,11 @@ async fn summarize(stats: Arc<Stats>, interval: Duration, shutdown: Cancellation
 async fn session<H: Handler>(
     config: &WorkerConfig,
     connection: &Connection,
+    watch: &ConnectionWatch,
     processor: &Arc<Processor<H>>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, WorkerError> {
-    let lost = failure(connection);
+    let lost = watch.lost();
     let (channel, publisher) = match open_channel(connection, config).await {
         Ok(channels) => channels,
         Err(OpenError::Topology(

@@ -145,7 +145,7 @@ async fn dead_letters(
         dlq::Action::Discard { .. } => Progress::new("discarding", 0),
     };
     let report = dlq::run_showing(config, action, &Points, &progress, shutdown).await;
-    progress.finish();
+    progress.finish(&report);
     let report = report?;
     println!(
         "{}",
