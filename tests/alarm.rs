@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use helpers::{DATABASE_URL, TestEnv, amqp_url, idem_command, patient, rabbitmqctl, wait_for};
+use helpers::{TestEnv, amqp_url, database_url, idem_command, patient, rabbitmqctl, wait_for};
 
 /// The broker's memory watermark, restored on drop however the test ends.
 struct Alarm {
@@ -48,7 +48,7 @@ async fn a_blocked_connection_is_logged_with_the_brokers_reason_and_again_when_u
     let log = std::env::temp_dir().join(format!("{}-publish.log", env.name));
     let _remove = Removed(log.clone());
     let alarm = Alarm::raise()?;
-    let mut publish = idem_command(&env, &amqp_url(), DATABASE_URL)
+    let mut publish = idem_command(&env, &amqp_url(), &database_url())
         .env("RUST_LOG", "info")
         .args(["publish", "--count", "50", "--seed", "1"])
         .stdout(std::process::Stdio::piped())

@@ -10,13 +10,13 @@ use idem::points::PaymentSucceeded;
 use idem::store::migrate;
 
 use crate::helpers::{
-    DATABASE_URL, GROUP, TestEnv, amqp_port, amqp_url, patient, wait_for, worker_exits_at_once,
+    GROUP, TestEnv, amqp_url, database_url, patient, wait_for, worker_exits_at_once,
 };
 use idem::worker::Mode;
 
 /// `idem` pointed at `env`'s schema and topology and the local services.
 fn idem(env: &TestEnv) -> Command {
-    crate::helpers::idem_command(env, &amqp_url(), DATABASE_URL)
+    crate::helpers::idem_command(env, &amqp_url(), &database_url())
 }
 
 async fn output(mut command: Command) -> anyhow::Result<(Option<i32>, String, String)> {
@@ -66,14 +66,10 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     for url in [
-        format!(
-            "amqp://guest:not-the-password@127.0.0.1:{}/%2f",
-            amqp_port()
-        ),
-        format!(
-            "amqp://guest:guest@127.0.0.1:{}/no-such-vhost-for-idem",
-            amqp_port()
-        ),
+        crate::helpers::amqp_url_with(|url| {
+            let _ = url.set_password(Some("not-the-password"));
+        }),
+        crate::helpers::amqp_url_on("no-such-vhost-for-idem"),
     ] {
         let mut command = idem(&env);
         command.env("AMQP_URL", &url);
@@ -299,7 +295,7 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
     let cases = [
         (
             "DATABASE_URL",
-            "postgres://postgres@127.0.0.1:5432/idem_no_such_database".to_owned(),
+            crate::helpers::database_url_in("idem_no_such_database"),
             "does not exist",
         ),
         (
@@ -342,7 +338,10 @@ async fn a_migrate_that_cannot_connect_says_why_once_in_one_line() -> anyhow::Re
     command
         .env(
             "DATABASE_URL",
-            "postgres://idem_no_such_role:hunter2@127.0.0.1:5432/postgres",
+            crate::helpers::database_url_with(|url| {
+                let _ = url.set_username("idem_no_such_role");
+                let _ = url.set_password(Some("hunter2"));
+            }),
         )
         .arg("migrate");
     let (code, _, stderr) = output(command).await?;
@@ -391,7 +390,7 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let database = crate::proxy::Proxy::start(crate::helpers::postgres_address()).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
     let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "2s").await?;
 
@@ -421,7 +420,7 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
 
 async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = crate::proxy::Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let database = crate::proxy::Proxy::start(crate::helpers::postgres_address()).await?;
     let load = crate::helpers::load(&env, 300, 0.1, 10);
     // Far longer than the test may take: only the second signal can end it.
     let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "10m").await?;
@@ -530,7 +529,7 @@ async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     // Nothing listens on port 1: every attempt is refused at once.
-    let nowhere = "postgres://postgres@127.0.0.1:1/postgres";
+    let nowhere = &crate::helpers::database_url_at(1);
     for subcommand in ["migrate", "worker"] {
         let mut command = crate::helpers::idem_command(&env, &amqp_url(), nowhere);
         command
@@ -583,7 +582,10 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
     let load = crate::helpers::load(&env, 200, 0.1, 5);
     // Someone's open transaction holds the points table.
     let (locker, connection) = tokio_postgres::connect(
-        &format!("{DATABASE_URL}?options=-c%20search_path%3D{}", env.schema),
+        &crate::helpers::database_url_with(|url| {
+            let search_path = format!("-c search_path={}", env.schema);
+            crate::helpers::append_query(url, "options", &search_path);
+        }),
         tokio_postgres::NoTls,
     )
     .await?;
@@ -596,7 +598,7 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
         &env,
         mode,
         &amqp_url(),
-        DATABASE_URL,
+        &database_url(),
         &["--lock-timeout", "500ms"],
     )?;
     wait_for(

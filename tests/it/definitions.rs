@@ -103,7 +103,15 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
             .all(|queue| names.lines().any(|line| line.trim() == queue.as_str())))
     })
     .await?;
-    rabbitmqctl_run(&["set_permissions", "-p", &vhost.0, "guest", ".*", ".*", ".*"])?;
+    rabbitmqctl_run(&[
+        "set_permissions",
+        "-p",
+        &vhost.0,
+        &crate::helpers::amqp_user(),
+        ".*",
+        ".*",
+        ".*",
+    ])?;
 
     let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
     let connection = connect(&amqp, "idem definitions test").await?;

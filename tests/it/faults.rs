@@ -3,27 +3,16 @@
 //! each distinct event has one consume record, and the dead-letter queue
 //! holds exactly what it should.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use idem::points::PaymentSucceeded;
 
 use crate::helpers::{
-    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_port, amqp_url,
-    assert_exact, load, patient, wait_for,
+    GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_url, assert_exact,
+    database_url, load, patient, postgres_address, wait_for,
 };
 use crate::proxy::Proxy;
 use idem::worker::Mode;
-
-const POSTGRES: &str = "127.0.0.1:5432";
-
-fn address(text: &str) -> anyhow::Result<SocketAddr> {
-    Ok(text.parse()?)
-}
-
-fn rabbitmq() -> anyhow::Result<SocketAddr> {
-    address(&format!("127.0.0.1:{}", amqp_port()))
-}
 
 /// Messages for a load that lasts while faults are injected: batch mode
 /// goes through a load several times faster than per-message mode.
@@ -64,7 +53,7 @@ async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice(
     let load = load(&env, 5000, 0.2, 50);
     env.publish_events(&load).await?;
 
-    let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[])?;
+    let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[])?;
     wait_records(&env, 500, Duration::from_secs(60)).await?;
     first.kill().await?;
     let at_kill = env.records(GROUP).await?;
@@ -73,7 +62,7 @@ async fn killing_a_worker_mid_load_loses_nothing_and_applies_nothing_twice(
         "killed after the end"
     );
 
-    let second = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[])?;
+    let second = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[])?;
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
     second.stop().await?;
     assert_exact(&env, &load, &[]).await
@@ -83,7 +72,7 @@ async fn severing_the_broker_connection_three_times_loses_nothing(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start(rabbitmq()?).await?;
+    let broker = Proxy::start(amqp_address()).await?;
     let load = load(&env, sized(mode, 4000), 0.2, 40);
     env.publish_events(&load).await?;
     let step = (load.len() / 5) as i64;
@@ -119,7 +108,7 @@ async fn a_thirty_second_database_outage_dead_letters_nothing_and_the_worker_res
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = Proxy::start(address(POSTGRES)?).await?;
+    let database = Proxy::start(postgres_address()).await?;
     let load = load(&env, sized(mode, 3000), 0.2, 30);
     env.publish_events(&load).await?;
 
@@ -168,7 +157,7 @@ async fn a_thirty_second_database_outage_dead_letters_nothing_and_the_worker_res
 async fn terminating_the_workers_database_sessions_loses_nothing(mode: Mode) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     // Through a proxy only to give the sessions this test's application_name.
-    let database = Proxy::start(address(POSTGRES)?).await?;
+    let database = Proxy::start(postgres_address()).await?;
     let load = load(&env, sized(mode, 3000), 0.2, 30);
     env.publish_events(&load).await?;
     let step = (load.len() / 8) as i64;
@@ -210,11 +199,11 @@ async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_wor
     let good: Vec<PaymentSucceeded> = messages.iter().filter(|e| **e != poison).cloned().collect();
 
     for kill_at in [400, 1000] {
-        let mut worker = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[])?;
+        let mut worker = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[])?;
         wait_records(&env, kill_at, Duration::from_secs(60)).await?;
         worker.kill().await?;
     }
-    let worker = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[])?;
+    let worker = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[])?;
     wait_applied(&env, &good, Duration::from_secs(90)).await?;
     wait_for(
         "the poison message in the dead-letter queue",
@@ -253,7 +242,7 @@ async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_wor
         "the failing transaction ran {ran} times"
     );
 
-    let listing = crate::helpers::idem_command(&env, &amqp_url(), DATABASE_URL)
+    let listing = crate::helpers::idem_command(&env, &amqp_url(), &database_url())
         .args(["requeue", "--dry-run"])
         .output()
         .await?;
@@ -281,7 +270,7 @@ async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_even
     let distinct = idem::generate::distinct_events(&load) as i64;
 
     let mut workers: Vec<WorkerProcess> = (0..3)
-        .map(|_| WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[]))
+        .map(|_| WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[]))
         .collect::<anyhow::Result<_>>()?;
     let mut kills = 0;
     let mut next = distinct / 8;
@@ -289,7 +278,7 @@ async fn three_workers_killed_and_restarted_at_random_apply_twenty_thousand_even
         wait_records(&env, next, Duration::from_secs(90)).await?;
         let victim = fastrand::usize(..workers.len());
         workers[victim].kill().await?;
-        workers[victim] = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &[])?;
+        workers[victim] = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &[])?;
         kills += 1;
         next += distinct / 8 + fastrand::i64(0..distinct / 16);
     }
@@ -305,8 +294,8 @@ async fn a_worker_started_before_its_services_answer_connects_once_they_do(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start_closed(rabbitmq()?).await?;
-    let database = Proxy::start_closed(address(POSTGRES)?).await?;
+    let broker = Proxy::start_closed(amqp_address()).await?;
+    let database = Proxy::start_closed(postgres_address()).await?;
     let worker =
         RunningWorker::start(env.worker_config_via(mode, Some(broker.port), Some(database.port)));
 
@@ -340,7 +329,7 @@ async fn a_worker_started_before_its_services_answer_connects_once_they_do(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start(rabbitmq()?).await?;
+    let broker = Proxy::start(amqp_address()).await?;
     let load = load(&env, 20_000, 0.1, 100);
     let messages: Vec<idem::broker::Outgoing> = load
         .iter()
@@ -410,7 +399,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     }
     worker.stop().await?;
 
-    let broker = Proxy::start(rabbitmq()?).await?;
+    let broker = Proxy::start(amqp_address()).await?;
     let config = idem::commands::dlq::DlqConfig {
         amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
             env.amqp_url_via(broker.port),
@@ -502,8 +491,8 @@ async fn a_broker_loss_during_a_database_outage(
     first_back: FirstBack,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let broker = Proxy::start(rabbitmq()?).await?;
-    let database = Proxy::start(address(POSTGRES)?).await?;
+    let broker = Proxy::start(amqp_address()).await?;
+    let database = Proxy::start(postgres_address()).await?;
     let load = load(&env, sized(mode, 1000), 0.2, 20);
     let worker =
         RunningWorker::start(env.worker_config_via(mode, Some(broker.port), Some(database.port)));

@@ -4,7 +4,8 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, Once};
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -13,8 +14,10 @@ use lapin::options::{
     BasicGetOptions, BasicNackOptions, ExchangeDeleteOptions, QueueDeleteOptions,
 };
 use lapin::{BasicProperties, Connection};
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use url::Url;
 
 use idem::broker::{
     AmqpConfig, Outgoing, PublishOptions, PublishReport, Topology, connect, publish_all,
@@ -25,18 +28,173 @@ use idem::store::{DatabaseConfig, migrate};
 use idem::vars;
 use idem::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
 
-/// The broker's AMQP port: 5672 unless `IDEM_TEST_AMQP_PORT` says
-/// otherwise (to run the suite against a second broker, RabbitMQ 4 say).
-pub fn amqp_port() -> u16 {
-    std::env::var("IDEM_TEST_AMQP_PORT")
-        .ok()
-        .and_then(|port| port.parse().ok())
-        .unwrap_or(5672)
+/// Where the suite finds its services. The environment says, with defaults
+/// for a PostgreSQL and a RabbitMQ on this host as installed:
+/// `IDEM_TEST_DATABASE_URL` (a URL whose role may create schemas, databases
+/// and roles) and `IDEM_TEST_AMQP_URL` (whose user the suite grants its
+/// vhosts to, with `rabbitmqctl`).
+struct Services {
+    database: Url,
+    amqp: Url,
 }
 
-/// The broker as guest, on `/`.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn services() -> &'static Services {
+    static SERVICES: OnceLock<Services> = OnceLock::new();
+    SERVICES.get_or_init(|| Services {
+        database: setting("IDEM_TEST_DATABASE_URL", DEFAULT_DATABASE_URL, 5432),
+        amqp: setting("IDEM_TEST_AMQP_URL", DEFAULT_AMQP_URL, 5672),
+    })
+}
+
+/// The URL in `variable`, or `default`; a setting the suite cannot use
+/// stops it at once, saying which.
+fn setting(variable: &str, default: &str, default_port: u16) -> Url {
+    let value = std::env::var(variable).unwrap_or_else(|_| default.to_owned());
+    let url = Url::parse(&value)
+        .ok()
+        .filter(|url| url.host_str().is_some() && url.path().len() > 1);
+    let Some(mut url) = url else {
+        panic!("{variable} must be a URL with a host and a path (the default is {default})");
+    };
+    if url.port().is_none() {
+        url.set_port(Some(default_port))
+            .unwrap_or_else(|()| panic!("{variable}: a URL that cannot take a port"));
+    }
+    url
+}
+
+/// Adds `key=value` to `url`'s query, spaces as `%20` (PostgreSQL's
+/// parser does not read `+` as a space).
+pub fn append_query(url: &mut Url, key: &str, value: &str) {
+    const UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC
+        .remove(b'-')
+        .remove(b'.')
+        .remove(b'_')
+        .remove(b'~');
+    let pair = format!("{key}={}", utf8_percent_encode(value, UNRESERVED));
+    let query = match url.query() {
+        Some(query) if !query.is_empty() => format!("{query}&{pair}"),
+        _ => pair,
+    };
+    url.set_query(Some(&query));
+}
+
+/// `url` changed by `edit`.
+fn edited(url: &Url, edit: impl FnOnce(&mut Url)) -> String {
+    let mut url = url.clone();
+    edit(&mut url);
+    url.into()
+}
+
+/// `host:port` of `url` (set by [`setting`]).
+fn host_port(url: &Url) -> String {
+    format!(
+        "{}:{}",
+        url.host_str().unwrap_or_default(),
+        url.port().unwrap_or_default()
+    )
+}
+
+/// An address of `url`'s server, for a proxy in front of it.
+fn address_of(url: &Url) -> SocketAddr {
+    let host_port = host_port(url);
+    host_port
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut addresses| addresses.next())
+        .unwrap_or_else(|| panic!("cannot resolve {host_port}"))
+}
+
+/// The database the tests' schemas live in.
+pub fn database_url() -> String {
+    services().database.to_string()
+}
+
+/// The test database's URL changed by `edit` (another user, say).
+pub fn database_url_with(edit: impl FnOnce(&mut Url)) -> String {
+    edited(&services().database, edit)
+}
+
+/// Another database on the same server.
+pub fn database_url_in(database: &str) -> String {
+    database_url_with(|url| url.set_path(database))
+}
+
+/// The test database through a proxy on this host's `port`.
+pub fn database_url_at(port: u16) -> String {
+    database_url_with(|url| {
+        let _ = url.set_host(Some("127.0.0.1"));
+        let _ = url.set_port(Some(port));
+    })
+}
+
+/// The name of the database of [`database_url`].
+pub fn database_name() -> String {
+    services()
+        .database
+        .path()
+        .trim_start_matches('/')
+        .to_owned()
+}
+
+/// The database server's `host:port`, as the URL writes it.
+pub fn postgres_host_port() -> String {
+    host_port(&services().database)
+}
+
+/// The database server's address, for a proxy.
+pub fn postgres_address() -> SocketAddr {
+    address_of(&services().database)
+}
+
+/// The broker, on the vhost of [`DEFAULT_AMQP_URL`] unless told otherwise.
 pub fn amqp_url() -> String {
-    format!("amqp://guest:guest@127.0.0.1:{}/%2f", amqp_port())
+    services().amqp.to_string()
+}
+
+/// The broker's URL changed by `edit` (a wrong password, say).
+pub fn amqp_url_with(edit: impl FnOnce(&mut Url)) -> String {
+    edited(&services().amqp, edit)
+}
+
+/// The broker's URL on `vhost`.
+pub fn amqp_url_on(vhost: &str) -> String {
+    amqp_url_with(|url| url.set_path(&utf8_percent_encode(vhost, NON_ALPHANUMERIC).to_string()))
+}
+
+/// The broker through a proxy on this host's `port`.
+pub fn amqp_url_at(port: u16) -> String {
+    amqp_url_with(|url| {
+        let _ = url.set_host(Some("127.0.0.1"));
+        let _ = url.set_port(Some(port));
+    })
+}
+
+/// The user the broker knows the suite as.
+pub fn amqp_user() -> String {
+    percent_decode_str(services().amqp.username())
+        .decode_utf8_lossy()
+        .into_owned()
+}
+
+/// `user:password` of the broker's URL, as it writes them: what no output
+/// may show.
+pub fn amqp_credentials() -> String {
+    let url = &services().amqp;
+    format!("{}:{}", url.username(), url.password().unwrap_or_default())
+}
+
+/// The broker's `host:port`, as the URL writes it.
+pub fn amqp_host_port() -> String {
+    host_port(&services().amqp)
+}
+
+/// The broker's address, for a proxy.
+pub fn amqp_address() -> SocketAddr {
+    address_of(&services().amqp)
 }
 
 /// `rabbitmqctl` for that broker: `IDEM_TEST_RABBITMQCTL` (split on white
@@ -72,7 +230,7 @@ impl Vhost {
         Self(unique_name())
     }
 
-    /// A new vhost on which `guest` has these configure, write and read
+    /// A new vhost on which the suite's user has these configure, write and read
     /// permissions (regular expressions over object names).
     pub fn add(configure: &str, write: &str, read: &str) -> anyhow::Result<Self> {
         let vhost = Self::named();
@@ -81,7 +239,7 @@ impl Vhost {
             "set_permissions",
             "-p",
             &vhost.0,
-            "guest",
+            &amqp_user(),
             configure,
             write,
             read,
@@ -89,9 +247,9 @@ impl Vhost {
         Ok(vhost)
     }
 
-    /// The broker's URL on this vhost, as guest.
+    /// The broker's URL on this vhost.
     pub fn amqp_url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/{}", amqp_port(), self.0)
+        amqp_url_on(&self.0)
     }
 }
 
@@ -101,7 +259,6 @@ impl Drop for Vhost {
     }
 }
 
-pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 pub const GROUP: &str = idem::points::CONSUMER_GROUP;
 
 /// The retry schedule of the tests' topologies: every guarantee holds with
@@ -160,8 +317,8 @@ impl TestEnv {
         let name = unique_name();
         let schema = name.clone();
         let url = match &own_database {
-            Some(database) => format!("postgres://postgres@127.0.0.1:5432/{database}"),
-            None => DATABASE_URL.to_owned(),
+            Some(database) => database_url_in(database),
+            None => database_url(),
         };
         let database = DatabaseConfig {
             connect_timeout: patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT),
@@ -189,8 +346,8 @@ impl TestEnv {
     }
 
     /// The database this test's schema lives in.
-    pub fn database_name(&self) -> &str {
-        self.own_database.as_deref().unwrap_or("postgres")
+    pub fn database_name(&self) -> String {
+        self.own_database.clone().unwrap_or_else(database_name)
     }
 
     /// Declares `topology` (as the worker would), and removes it on drop.
@@ -232,17 +389,18 @@ impl TestEnv {
 
     /// The broker's URL through a proxy on `port`.
     pub fn amqp_url_via(&self, port: u16) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+        amqp_url_at(port)
     }
 
     /// The database's URL through a proxy on `port`, with this test's name as
     /// `application_name` so that its sessions can be found.
     pub fn database_url_via(&self, port: u16) -> String {
-        format!(
-            "postgres://postgres@127.0.0.1:{port}/{}?application_name={}",
-            self.database_name(),
-            self.name
-        )
+        database_url_with(|url| {
+            let _ = url.set_host(Some("127.0.0.1"));
+            let _ = url.set_port(Some(port));
+            url.set_path(&self.database_name());
+            append_query(url, "application_name", &self.name);
+        })
     }
 
     /// `worker_config`, reaching the services through proxies where given.
@@ -527,7 +685,8 @@ pub async fn drop_schema(schema: String) -> anyhow::Result<()> {
 /// A client of the `postgres` database, for what a test does as an
 /// administrator (creating and dropping databases, say).
 pub async fn admin() -> anyhow::Result<tokio_postgres::Client> {
-    let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
+    let (client, connection) =
+        tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
     Ok(client)
 }
@@ -639,7 +798,8 @@ async fn sweep() -> anyhow::Result<()> {
     for vhost in list("list_vhosts").into_iter().filter(|n| is_orphan(n)) {
         let _ = rabbitmqctl().args(["delete_vhost", &vhost]).output();
     }
-    let (client, connection) = tokio_postgres::connect(DATABASE_URL, tokio_postgres::NoTls).await?;
+    let (client, connection) =
+        tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
     let orphans = |query: &'static str| {
         let client = &client;

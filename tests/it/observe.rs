@@ -8,7 +8,7 @@ use std::time::Duration;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, free_port,
+    RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, database_url, free_port,
     http_get, load, sample, wait_for,
 };
 use crate::proxy::Proxy;
@@ -97,7 +97,7 @@ async fn the_worker_is_not_ready_while_it_holds_deliveries_for_the_database(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let database = Proxy::start(crate::helpers::postgres_address()).await?;
     let port = free_port()?;
     let mut config = env.worker_config_via(mode, None, Some(database.port));
     config.http_addr = Some(([127, 0, 0, 1], port).into());
@@ -150,7 +150,7 @@ async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops
         &env,
         mode,
         &amqp_url(),
-        DATABASE_URL,
+        &database_url(),
         &["--summary-interval", "1s"],
     )?;
     wait_for("a summary line", Duration::from_secs(30), || async {
@@ -216,7 +216,7 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
     .await?;
     worker.stop().await?;
 
-    let output = crate::helpers::idem_command(&env, &amqp_url(), DATABASE_URL)
+    let output = crate::helpers::idem_command(&env, &amqp_url(), &database_url())
         .args(["status", "--retry-delays", "60s"])
         .output()
         .await?;

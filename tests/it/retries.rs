@@ -11,7 +11,7 @@ use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, load,
+    GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, database_url, load,
     patient, wait_for,
 };
 
@@ -265,7 +265,7 @@ async fn killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothin
     env.publish_events(&load).await?;
 
     let args = ["--retry-delays", "3s", "--max-attempts", "10"];
-    let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &args)?;
+    let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &args)?;
     wait_for("messages waiting", Duration::from_secs(60), || async {
         Ok(env.ready(&wait_queue).await? > 0)
     })
@@ -277,7 +277,7 @@ async fn killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothin
     );
     env.sql(&format!("INSERT INTO ready_orders VALUES {}", rows(late)))
         .await?;
-    let second = WorkerProcess::spawn(&env, mode, &amqp_url(), DATABASE_URL, &args)?;
+    let second = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &args)?;
     let distinct = idem::generate::distinct_events(&load) as i64;
     wait_for("every event applied", Duration::from_secs(90), || async {
         Ok(env.records(GROUP).await? >= distinct)

@@ -10,48 +10,51 @@ use futures::StreamExt;
 
 use idem::vars;
 
-use crate::helpers::{DATABASE_URL, TestEnv, amqp_port, amqp_url, idem_command, patient};
+use crate::helpers::{
+    TestEnv, amqp_host_port, amqp_url, database_url, idem_command, patient, postgres_host_port,
+};
 
 /// The password of every string below: it must never be seen.
 const PASSWORD: &str = "Pw0rdThatMustNotLeak";
 
 fn amqp_corpus() -> Vec<String> {
-    let (p, port) = (PASSWORD, amqp_port());
+    let (p, broker) = (PASSWORD, amqp_host_port());
     vec![
-        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp://guest:pa/{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp://guest:pa#{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp://guest:p@{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp//guest:{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp:/guest:{p}@127.0.0.1:{port}/%2f"),
-        format!("amqps://guest:{p}@127.0.0.1:{port}/%2f"),
-        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f?heartbeat=often"),
+        format!("amqp://guest:{p}@{broker}/%2f"),
+        format!("amqp://guest:pa/{p}@{broker}/%2f"),
+        format!("amqp://guest:pa#{p}@{broker}/%2f"),
+        format!("amqp://guest:p@{p}@{broker}/%2f"),
+        format!("amqp//guest:{p}@{broker}/%2f"),
+        format!("amqp:/guest:{p}@{broker}/%2f"),
+        format!("amqps://guest:{p}@{broker}/%2f"),
+        format!("amqp://guest:{p}@{broker}/%2f?heartbeat=often"),
         format!("amqp://guest:{p}@no-such-host.invalid/%2f"),
-        format!("guest:{p}@127.0.0.1:{port}"),
-        format!("amqp://guest:{p}@[::1:{port}/%2f"),
+        format!("guest:{p}@{broker}"),
+        format!("amqp://guest:{p}@[::1:5672/%2f"),
         format!("amqp://guest:{p}"),
-        format!("amqp://guest:{p}@127.0.0.1:{port}/%2f%zz"),
+        format!("amqp://guest:{p}@{broker}/%2f%zz"),
     ]
 }
 
 fn postgres_corpus() -> Vec<String> {
-    let p = PASSWORD;
+    let (p, server) = (PASSWORD, postgres_host_port());
+    let (host, port) = server.rsplit_once(':').unwrap_or((&server, "5432"));
     vec![
-        format!("postgres://idem_no_such_role:{p}@127.0.0.1:5432/postgres"),
-        format!("postgres://u:pa/{p}@127.0.0.1:5432/postgres"),
-        format!("postgres://u:pa#{p}@127.0.0.1:5432/postgres"),
-        format!("postgres://u:p@{p}@127.0.0.1:5432/postgres"),
-        format!("postgres//u:{p}@127.0.0.1:5432/postgres"),
+        format!("postgres://idem_no_such_role:{p}@{server}/postgres"),
+        format!("postgres://u:pa/{p}@{server}/postgres"),
+        format!("postgres://u:pa#{p}@{server}/postgres"),
+        format!("postgres://u:p@{p}@{server}/postgres"),
+        format!("postgres//u:{p}@{server}/postgres"),
         format!("postgres://u:{p}@127.0.0.1:notaport/postgres"),
-        format!("postgres://127.0.0.1/postgres?user=u&password={p}"),
-        format!("postgres://127.0.0.1/postgres?password={p}&sslmode=bogus"),
+        format!("postgres://{server}/postgres?user=u&password={p}"),
+        format!("postgres://{server}/postgres?password={p}&sslmode=bogus"),
         format!("postgres://u:{p}@127.0.0.1:1/postgres"),
-        format!("host=127.0.0.1 user=u password={p}"),
-        format!("host=127.0.0.1 user=u password = {p}"),
-        format!("host=127.0.0.1 user=u password='a {p}'"),
-        format!("host=127.0.0.1 user=u password='{p}"),
-        format!("host=127.0.0.1 user=u password {p}"),
-        format!("host=127.0.0.1 port=1 user=u password={p}"),
+        format!("host={host} port={port} user=u password={p}"),
+        format!("host={host} port={port} user=u password = {p}"),
+        format!("host={host} port={port} user=u password='a {p}'"),
+        format!("host={host} port={port} user=u password='{p}"),
+        format!("host={host} port={port} user=u password {p}"),
+        format!("host={host} port=1 user=u password={p}"),
     ]
 }
 
@@ -102,7 +105,7 @@ async fn no_password_reaches_any_output_whatever_the_shape_of_its_connection_str
     let env = &env;
     let outputs: Vec<anyhow::Result<(String, String)>> = futures::stream::iter(runs)
         .map(|(variable, url, args, format)| async move {
-            let mut command = idem_command(env, &amqp_url(), DATABASE_URL);
+            let mut command = idem_command(env, &amqp_url(), &database_url());
             command
                 .env(variable, &url)
                 .env(vars::STARTUP_TIMEOUT, "1s")

@@ -16,7 +16,7 @@ use idem::vars;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, drop_schema, peek, publish,
+    TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, database_url, drop_schema, peek, publish,
     ready, unique_name, wait_for,
 };
 use crate::proxy::Proxy;
@@ -119,7 +119,7 @@ impl StockEnv {
         let vhost = Vhost::add(".*", ".*", ".*")?;
         let name = unique_name();
         let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
-        let pool = DatabaseConfig::new(SecretUrl::new(DATABASE_URL))
+        let pool = DatabaseConfig::new(SecretUrl::new(database_url()))
             .with_schema(&name)
             .pool()?;
         let env = Self {
@@ -134,7 +134,7 @@ impl StockEnv {
         topology().declare(&channel).await?;
         connection.close(200, "OK".into()).await?;
         let migrated = env
-            .example(DATABASE_URL, Mode::Batch)
+            .example(&database_url(), Mode::Batch)
             .arg("migrate")
             .output()
             .await?;
@@ -174,7 +174,7 @@ impl StockEnv {
 
     /// The database's URL through a proxy on `port`.
     fn database_url_via(port: u16) -> String {
-        format!("postgres://postgres@127.0.0.1:{port}/postgres")
+        crate::helpers::database_url_at(port)
     }
 
     async fn sql(&self, statements: &str) -> anyhow::Result<()> {
@@ -324,7 +324,7 @@ async fn stock_reservations_apply_once_and_an_oversold_one_is_dead_lettered_then
     ];
     env.publish(&bodies).await?;
 
-    let worker = env.worker(DATABASE_URL, mode)?;
+    let worker = env.worker(&database_url(), mode)?;
     env.wait_dead_letters(3).await?;
     let mut expected = vec![oversold.body(), unknown.body(), invalid.clone()];
     expected.sort();
@@ -362,7 +362,7 @@ async fn stock_reservations_apply_once_and_an_oversold_one_is_dead_lettered_then
     )
     .await?;
     let replay = env
-        .example(DATABASE_URL, mode)
+        .example(&database_url(), mode)
         .arg("requeue")
         .output()
         .await?;
@@ -394,7 +394,7 @@ async fn a_database_outage_holds_stock_reservations_and_dead_letters_none(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = StockEnv::new().await?;
-    let database = Proxy::start("127.0.0.1:5432".parse()?).await?;
+    let database = Proxy::start(crate::helpers::postgres_address()).await?;
     let load = reservations(&env, 3000, 20);
     stock_up(&env, &load, 1_000_000).await?;
     let bodies: Vec<Vec<u8>> = load.iter().map(Reservation::body).collect();
@@ -439,7 +439,7 @@ async fn killing_the_stock_worker_mid_load_keeps_the_stock_exact(mode: Mode) -> 
     let bodies: Vec<Vec<u8>> = load.iter().map(Reservation::body).collect();
     env.publish(&bodies).await?;
 
-    let mut first = env.worker(DATABASE_URL, mode)?;
+    let mut first = env.worker(&database_url(), mode)?;
     env.wait_records(400, Duration::from_secs(60)).await?;
     first.kill().await?;
     let distinct = load
@@ -451,7 +451,7 @@ async fn killing_the_stock_worker_mid_load_keeps_the_stock_exact(mode: Mode) -> 
         env.records().await? < distinct as i64,
         "killed after the end"
     );
-    let second = env.worker(DATABASE_URL, mode)?;
+    let second = env.worker(&database_url(), mode)?;
     env.assert_exact(1_000_000, &load, Duration::from_secs(90))
         .await?;
     second.stop().await?;

@@ -72,17 +72,17 @@ enum Protocol {
 }
 
 impl Protocol {
-    fn upstream(self) -> String {
+    fn upstream(self) -> std::net::SocketAddr {
         match self {
-            Protocol::Postgres => "127.0.0.1:5432".into(),
-            Protocol::Amqp => format!("127.0.0.1:{}", crate::helpers::amqp_port()),
+            Protocol::Postgres => crate::helpers::postgres_address(),
+            Protocol::Amqp => crate::helpers::amqp_address(),
         }
     }
 }
 
 /// Listens on a port of its own; each connection gets a TLS session with a
 /// certificate for `127.0.0.1` signed by `ca`, and is forwarded in plain
-/// text to the local server of `protocol`.
+/// text to the suite's server of `protocol`.
 struct TlsProxy {
     port: u16,
     handshakes: Arc<AtomicUsize>,
@@ -131,15 +131,21 @@ impl TlsProxy {
     }
 
     fn url_with(&self, env: &TestEnv, sslmode: &str) -> String {
-        format!(
-            "postgres://postgres@127.0.0.1:{}/postgres?sslmode={sslmode}&application_name={}",
-            self.port, env.name
-        )
+        crate::helpers::database_url_with(|url| {
+            let _ = url.set_host(Some("127.0.0.1"));
+            let _ = url.set_port(Some(self.port));
+            crate::helpers::append_query(url, "sslmode", sslmode);
+            crate::helpers::append_query(url, "application_name", &env.name);
+        })
     }
 
     /// Its `amqps://` URL.
     fn amqps_url(&self) -> String {
-        format!("amqps://guest:guest@127.0.0.1:{}/%2f", self.port)
+        crate::helpers::amqp_url_with(|url| {
+            let _ = url.set_scheme("amqps");
+            let _ = url.set_host(Some("127.0.0.1"));
+            let _ = url.set_port(Some(self.port));
+        })
     }
 
     fn handshakes(&self) -> usize {
@@ -229,7 +235,10 @@ async fn applies_through(
 async fn worker_ends_at_once(command: tokio::process::Command, says: &str) -> anyhow::Result<()> {
     let stderr = crate::helpers::worker_exits_at_once(command).await?;
     assert!(stderr.contains(says), "{says:?} not in {stderr}");
-    assert!(!stderr.contains("guest:guest"), "{stderr}");
+    assert!(
+        !stderr.contains(&crate::helpers::amqp_credentials()),
+        "{stderr}"
+    );
     Ok(())
 }
 
@@ -257,12 +266,13 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
     let other = TestCa::new(&env, "other")?;
     let postgres = TlsProxy::start(&trusted, Protocol::Postgres).await?;
     let not_pem = TempFile::write(&env, "not-a-ca.pem", "not a certificate\n")?;
-    let plain = "postgres://postgres@127.0.0.1:5432/postgres".to_owned();
+    let plain = crate::helpers::database_url();
     let no_tls = NoTlsServer::start().await?;
-    let no_tls_url = format!(
-        "postgres://postgres@127.0.0.1:{}/postgres?sslmode=require",
-        no_tls.port
-    );
+    let no_tls_url = crate::helpers::database_url_with(|url| {
+        let _ = url.set_port(Some(no_tls.port));
+        let _ = url.set_host(Some("127.0.0.1"));
+        crate::helpers::append_query(url, "sslmode", "require");
+    });
     let cases = [
         // Signed by a CA the worker was not told to trust.
         (
@@ -342,7 +352,7 @@ async fn a_broker_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         ),
     ];
     for (url, ca_file, says) in cases {
-        let mut command = crate::helpers::idem_command(&env, &url, crate::helpers::DATABASE_URL);
+        let mut command = crate::helpers::idem_command(&env, &url, &crate::helpers::database_url());
         if let Some(file) = ca_file {
             command.env("IDEM_AMQP_CA_FILE", file);
         }

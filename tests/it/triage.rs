@@ -14,7 +14,7 @@ use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DATABASE_URL, GROUP, RunningWorker, TestEnv, amqp_url, idem_command, patient, unique_name,
+    GROUP, RunningWorker, TestEnv, amqp_url, database_url, idem_command, patient, unique_name,
     wait_for,
 };
 
@@ -122,7 +122,7 @@ async fn reject(env: &TestEnv, times: u32, requeue: bool) -> anyhow::Result<()> 
 async fn idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
     let output = tokio::time::timeout(
         patient(Duration::from_secs(60)),
-        idem_command(env, &amqp_url(), DATABASE_URL)
+        idem_command(env, &amqp_url(), &database_url())
             .args(args)
             .output(),
     )
