@@ -81,7 +81,7 @@ impl Progress {
                     due
                 });
                 if due {
-                    shown.line();
+                    shown.line(false);
                 }
             }
             None => {}
@@ -95,14 +95,16 @@ impl Progress {
     pub fn finish<T, E>(&self, outcome: &Result<T, E>) {
         match self.0.as_deref() {
             Some(Shown::Bar(bar)) => bar.finish_and_clear(),
-            Some(shown @ Shown::Lines { .. }) if outcome.is_ok() => shown.line(),
+            Some(shown @ Shown::Lines { .. }) if outcome.is_ok() => shown.line(true),
             _ => {}
         }
     }
 }
 
 impl Shown {
-    fn line(&self) {
+    /// How far the work got: with the time left while it runs, with the
+    /// time it took once `finished`.
+    fn line(&self, finished: bool) {
         let Shown::Lines {
             what,
             total,
@@ -116,6 +118,15 @@ impl Shown {
         let (done, total) = (done.load(Ordering::Relaxed), total.load(Ordering::Relaxed));
         let rate = done as f64 / started.elapsed().as_secs_f64().max(1e-3);
         if done == 0 {
+            return;
+        }
+        if finished {
+            info!(
+                done,
+                total,
+                "{what}: {done} of {total} in {:.1}s ({rate:.0}/s)",
+                started.elapsed().as_secs_f64()
+            );
             return;
         }
         let left = total.saturating_sub(done) as f64 / rate;

@@ -930,10 +930,11 @@ fn summarize(f: &mut fmt::Formatter<'_>, report: &Report) -> fmt::Result {
         counts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
         counts
     }
-    write!(f, "\n  by reason:")?;
-    for (reason, n) in counted(&summary.reasons) {
-        write!(f, " {} {n},", printable(reason))?;
-    }
+    let reasons: Vec<String> = counted(&summary.reasons)
+        .into_iter()
+        .map(|(reason, n)| format!("{} {n}", printable(reason)))
+        .collect();
+    write!(f, "\n  by reason: {}", reasons.join(", "))?;
     write!(f, "\n  by last error:")?;
     for (error, n) in counted(&summary.errors) {
         write!(f, "\n    {n:>6}  {}", printable(error))?;

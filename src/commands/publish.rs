@@ -50,9 +50,10 @@ pub struct PublishConfig {
 pub struct Summary {
     /// Messages read from the source.
     pub messages: usize,
-    /// Distinct events among them (a producer's retry repeats one; a body
-    /// that is not an event counts as none).
+    /// Distinct events among them (a producer's retry repeats one).
     pub events: usize,
+    /// Bodies that are not events (sent with `--allow-invalid`).
+    pub invalid: usize,
     /// The broker's answers.
     pub report: PublishReport,
 }
@@ -60,11 +61,20 @@ pub struct Summary {
 impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let report = &self.report;
+        let messages = if self.messages == 1 {
+            "message"
+        } else {
+            "messages"
+        };
         write!(
             f,
-            "published {} messages ({} distinct events): {} confirmed",
-            self.messages, self.events, report.confirmed
+            "published {} {messages} ({} distinct events",
+            self.messages, self.events
         )?;
+        if self.invalid > 0 {
+            write!(f, ", {} invalid", self.invalid)?;
+        }
+        write!(f, "): {} confirmed", report.confirmed)?;
         if !report.refused.is_empty() {
             write!(f, ", {} refused", report.refused.len())?;
         }
@@ -101,9 +111,13 @@ pub async fn run(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Summary> {
     let bodies = bodies(source)?;
-    let events = bodies
+    let parsed: Vec<_> = bodies
         .iter()
         .filter_map(|body| PaymentSucceeded::parse(body).ok().map(|e| e.event_id))
+        .collect();
+    let invalid = bodies.len() - parsed.len();
+    let events = parsed
+        .into_iter()
         .collect::<std::collections::HashSet<_>>()
         .len();
     let messages: Vec<Outgoing> = bodies
@@ -123,6 +137,7 @@ pub async fn run(
     Ok(Summary {
         messages: messages.len(),
         events,
+        invalid,
         report: report?,
     })
 }

@@ -166,7 +166,7 @@ async fn a_summary_counts_dead_letters_per_reason_and_last_error() -> anyhow::Re
         "{stdout}"
     );
     assert!(
-        stdout.contains("by reason: rejected 6, delivery_limit 1,"),
+        stdout.contains("by reason: rejected 6, delivery_limit 1\n"),
         "{stdout}"
     );
     assert!(
