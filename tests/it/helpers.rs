@@ -173,6 +173,12 @@ pub fn amqp_url_at(port: u16) -> String {
     })
 }
 
+/// The vhost of [`amqp_url`].
+pub fn amqp_vhost() -> String {
+    let path = services().amqp.path().trim_start_matches('/');
+    percent_decode_str(path).decode_utf8_lossy().into_owned()
+}
+
 /// The user the broker knows the suite as.
 pub fn amqp_user() -> String {
     percent_decode_str(services().amqp.username())
@@ -773,9 +779,15 @@ async fn sweep() -> anyhow::Result<()> {
             }
         }
     }
+    // Queues and exchanges live in the suite's vhost; vhosts are global.
+    let vhost = amqp_vhost();
     let list = |what: &str| -> Vec<String> {
-        rabbitmqctl()
-            .args([what, "-q", "--no-table-headers", "name"])
+        let mut command = rabbitmqctl();
+        command.args([what, "-q", "--no-table-headers", "name"]);
+        if what != "list_vhosts" {
+            command.args(["-p", &vhost]);
+        }
+        command
             .output()
             .ok()
             .filter(|out| out.status.success())
