@@ -76,7 +76,7 @@ fn password_span(text: &str) -> Option<(usize, usize)> {
 }
 
 /// What may be the password of `url`'s userinfo, as written (see
-/// [`password_span`]); `None` when there is no `user:…@`.
+/// `password_span`); `None` when there is no `user:…@`.
 pub fn userinfo_password(url: &str) -> Option<&str> {
     password_span(url).map(|(from, to)| &url[from..to])
 }
