@@ -13,12 +13,12 @@ use crate::helpers::{
 };
 use crate::proxy::Proxy;
 
-async fn metrics_count_what_was_published_and_the_worker_is_ready(
-    mode: Mode,
-) -> anyhow::Result<()> {
-    let env = TestEnv::new().await?;
+/// Starts a worker with `config` and its endpoints on a free port, and
+/// waits until `/readyz` says it is ready.
+async fn start_ready(
+    mut config: idem::worker::WorkerConfig,
+) -> anyhow::Result<(RunningWorker, u16)> {
     let port = free_port()?;
-    let mut config = env.worker_config(mode);
     config.http_addr = Some(([127, 0, 0, 1], port).into());
     let worker = RunningWorker::start(config);
     wait_for("ready", Duration::from_secs(20), || async {
@@ -27,6 +27,14 @@ async fn metrics_count_what_was_published_and_the_worker_is_ready(
             .is_ok_and(|(code, _)| code == 200))
     })
     .await?;
+    Ok((worker, port))
+}
+
+async fn metrics_count_what_was_published_and_the_worker_is_ready(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let (worker, port) = start_ready(env.worker_config(mode)).await?;
     assert_eq!(http_get(port, "/healthz").await?.0, 200);
 
     let load = load(&env, 3000, 0.2, 20);
@@ -98,16 +106,8 @@ async fn the_worker_is_not_ready_while_it_holds_deliveries_for_the_database(
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let database = Proxy::start(crate::helpers::postgres_address()).await?;
-    let port = free_port()?;
-    let mut config = env.worker_config_via(mode, None, Some(database.port));
-    config.http_addr = Some(([127, 0, 0, 1], port).into());
-    let worker = RunningWorker::start(config);
-    wait_for("ready", Duration::from_secs(20), || async {
-        Ok(http_get(port, "/readyz")
-            .await
-            .is_ok_and(|(code, _)| code == 200))
-    })
-    .await?;
+    let (worker, port) =
+        start_ready(env.worker_config_via(mode, None, Some(database.port))).await?;
     database.sever();
     let load = load(&env, 200, 0.1, 5);
     env.publish_events(&load).await?;
