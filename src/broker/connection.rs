@@ -2,6 +2,8 @@
 //! one that refuses us.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use backon::{BackoffBuilder, Retryable};
@@ -12,30 +14,60 @@ use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Connection, ConnectionProperties};
 
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::secret::SecretUrl;
 
-/// Where the broker is.
+/// Where the broker is: one node, or several nodes of a cluster.
 #[derive(Debug, Clone)]
 pub struct AmqpConfig {
-    /// `amqp://user:password@host:port/vhost`; may carry a password.
+    /// `amqp://user:password@host:port/vhost`, or several such URLs
+    /// separated by commas (the nodes of a cluster); may carry passwords.
     pub url: SecretUrl,
     /// With `amqps://`: CA certificates (PEM) the broker's certificate may
     /// chain to, besides the system's.
     pub ca_file: Option<PathBuf>,
+    /// Which URL the next connection tries first, shared by the clones of
+    /// this configuration: the one after the last that answered.
+    next: Arc<AtomicUsize>,
 }
 
+/// How long one node may take to accept a connection before the next is
+/// tried: a node cut off by the network never answers at all.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
 impl AmqpConfig {
-    /// The broker at `url`, verified against the system's CAs if `amqps://`.
+    /// The broker at `url` (or at each of the comma-separated URLs),
+    /// verified against the system's CAs if `amqps://`.
     pub fn new(url: SecretUrl) -> Self {
-        Self { url, ca_file: None }
+        Self {
+            url,
+            ca_file: None,
+            next: Arc::default(),
+        }
     }
 
-    /// The broker as logs and errors name it: what was parsed out of the
-    /// URL, without its password; never the URL itself.
+    /// The same broker, its certificate also verified against the CA
+    /// certificates (PEM) in `path`.
+    pub fn with_ca_file(self, path: PathBuf) -> Self {
+        Self {
+            ca_file: Some(path),
+            ..self
+        }
+    }
+
+    /// The broker as logs and errors name it: what was parsed out of each
+    /// URL, without its password; never a URL itself.
     pub fn describe(&self) -> String {
-        match self.parse() {
+        (0..self.urls().len())
+            .map(|node| self.describe_node(node))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// [`AmqpConfig::describe`] for the `node`-th URL.
+    fn describe_node(&self, node: usize) -> String {
+        match self.parse_node(node) {
             Ok(uri) => format!(
                 "{}://{}@{}:{}/{}",
                 uri.scheme,
@@ -47,15 +79,35 @@ impl AmqpConfig {
                     percent_encoding::NON_ALPHANUMERIC
                 )
             ),
-            Err(_) => "the AMQP URL".to_owned(),
+            Err(_) if self.urls().len() == 1 => "the AMQP URL".to_owned(),
+            Err(_) => format!("AMQP URL number {}", node + 1),
         }
     }
 
-    /// The URL, parsed, unless it does not parse as written (see
+    /// The URLs as written: split at each comma that a scheme follows, so
+    /// that a comma elsewhere (an unencoded one in a password, say) is not
+    /// taken for a separator.
+    fn urls(&self) -> Vec<&str> {
+        let text = self.url.expose();
+        let mut urls = Vec::new();
+        let mut start = 0;
+        for (comma, _) in text.match_indices(',') {
+            let next = text[comma + 1..].trim_start();
+            if next.starts_with("amqp://") || next.starts_with("amqps://") {
+                urls.push(text[start..comma].trim());
+                start = comma + 1;
+            }
+        }
+        urls.push(text[start..].trim());
+        urls
+    }
+
+    /// The `node`-th URL, parsed, unless it does not parse as written (see
     /// [`crate::secret::parsed_as_written`]): then why, without a character
     /// of it.
-    fn parse(&self) -> Result<AMQPUri, String> {
-        let url = self.url.expose();
+    fn parse_node(&self, node: usize) -> Result<AMQPUri, String> {
+        let urls = self.urls();
+        let url = urls.get(node).copied().unwrap_or_default();
         let uri: AMQPUri = url
             .parse()
             .map_err(|e: String| crate::secret::redact(&e.replace(url, "")))?;
@@ -87,13 +139,14 @@ pub enum ConnectError {
         /// What is wrong.
         reason: String,
     },
-    /// The broker could not be reached or dropped us: worth retrying.
-    #[error("RabbitMQ at {url} is unreachable: {source}")]
+    /// The broker could not be reached or dropped us (no node of a
+    /// cluster answered): worth retrying.
+    #[error("RabbitMQ at {url} is unreachable: {reason}")]
     Unreachable {
         /// The broker, as [`AmqpConfig::describe`] names it.
         url: String,
-        /// The client's error.
-        source: lapin::Error,
+        /// Why, from the client (the last node's, for a cluster).
+        reason: String,
     },
     /// Shutdown was asked for while waiting for the broker.
     #[error("interrupted while waiting for RabbitMQ")]
@@ -112,22 +165,75 @@ impl ConnectError {
     }
 }
 
-/// Opens a connection named `name` (shown in the management UI).
+/// Opens a connection named `name` (shown in the management UI). With
+/// several URLs, tries each once, starting after the one that answered
+/// last: the first connection goes to the first node that answers, and the
+/// one after a loss to the next node that answers.
 pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, ConnectError> {
-    let uri = config.parse().map_err(|reason| {
-        let hint = if config.url.expose().contains('@') {
-            "; a / # @ or % in the user or password must be percent-encoded"
-        } else {
-            ""
+    let nodes = config.urls().len();
+    // Every URL is checked before any is tried: a mistake in the third is
+    // not found only once the first two nodes are down.
+    let uris = (0..nodes)
+        .map(|node| {
+            config.parse_node(node).map_err(|reason| {
+                let hint = if config.urls()[node].contains('@') {
+                    "; a / # @ , or % in the user or password must be percent-encoded"
+                } else {
+                    ""
+                };
+                ConnectError::Settings {
+                    url: config.describe_node(node),
+                    reason: format!("not a valid amqp:// or amqps:// URL ({reason}{hint})"),
+                }
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let first = config.next.load(Ordering::Relaxed);
+    let mut unreachable = None;
+    for step in 0..nodes {
+        let node = (first + step) % nodes;
+        let url = config.describe_node(node);
+        let attempt = connect_node(config, uris[node].clone(), &url, name);
+        let error = match tokio::time::timeout(CONNECT_TIMEOUT, attempt).await {
+            Ok(Ok(connection)) => {
+                config.next.store((node + 1) % nodes, Ordering::Relaxed);
+                if nodes > 1 {
+                    info!(node = %url, "connected to RabbitMQ at {url}");
+                }
+                return Ok(connection);
+            }
+            Ok(Err(error)) if error.is_refusal() => return Err(error),
+            Ok(Err(error)) => error,
+            Err(_) => ConnectError::Unreachable {
+                url,
+                reason: format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
+            },
         };
-        ConnectError::Settings {
-            url: config.describe(),
-            reason: format!("not a valid amqp:// or amqps:// URL ({reason}{hint})"),
+        if nodes > 1 {
+            warn!("{error}; trying the next node");
         }
-    })?;
+        unreachable = Some(error);
+    }
+    Err(match unreachable {
+        Some(ConnectError::Unreachable { reason, .. }) if nodes > 1 => ConnectError::Unreachable {
+            url: format!("every node ({})", config.describe()),
+            reason,
+        },
+        Some(error) => error,
+        None => unreachable!("a configuration has at least one URL"),
+    })
+}
+
+/// Opens a connection to one node, `url` as logs name it.
+async fn connect_node(
+    config: &AmqpConfig,
+    uri: AMQPUri,
+    url: &str,
+    name: &str,
+) -> Result<Connection, ConnectError> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let unusable = |reason: String| ConnectError::Settings {
-        url: config.describe(),
+        url: url.to_owned(),
         reason,
     };
     let tls = match &config.ca_file {
@@ -148,14 +254,14 @@ pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, Conn
             }
         }
     };
-    let runtime = lapin::runtime::default_runtime().map_err(|source| classify(config, source))?;
+    let runtime = lapin::runtime::default_runtime().map_err(|source| classify(url, source))?;
     Connection::connect_uri_with_config(uri, properties, tls, runtime)
         .await
-        .map_err(|source| classify(config, source))
+        .map_err(|source| classify(url, source))
 }
 
-fn classify(config: &AmqpConfig, source: lapin::Error) -> ConnectError {
-    let url = config.describe();
+fn classify(url: &str, source: lapin::Error) -> ConnectError {
+    let url = url.to_owned();
     if let Some(reason) = crate::tls::refusal(&source) {
         return ConnectError::Refused {
             url,
@@ -175,7 +281,10 @@ fn classify(config: &AmqpConfig, source: lapin::Error) -> ConnectError {
             };
         }
     }
-    ConnectError::Unreachable { url, source }
+    ConnectError::Unreachable {
+        url,
+        reason: source.to_string(),
+    }
 }
 
 /// Connects, retrying with exponential backoff and jitter while the broker

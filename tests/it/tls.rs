@@ -315,10 +315,8 @@ async fn over_amqps_with_a_ca_file_the_worker_verifies_the_broker_and_applies() 
     env.publish_events(&load).await?;
 
     let mut config = env.worker_config(Mode::Batch);
-    config.amqp = idem::broker::AmqpConfig {
-        url: SecretUrl::new(broker.amqps_url()),
-        ca_file: Some(ca.file().to_owned()),
-    };
+    config.amqp = idem::broker::AmqpConfig::new(SecretUrl::new(broker.amqps_url()))
+        .with_ca_file(ca.file().to_owned());
     applies_through(&env, config, &load, &broker).await
 }
 

@@ -74,7 +74,8 @@ pub(crate) enum Command {
 #[derive(Debug, Args)]
 #[command(next_help_heading = "RabbitMQ")]
 pub(crate) struct AmqpArgs {
-    /// RabbitMQ URL, vhost included (`%2f` is `/`).
+    /// RabbitMQ URL, vhost included (`%2f` is `/`); for a cluster, one URL
+    /// per node, separated by commas.
     #[arg(
         long,
         env = vars::AMQP_URL,
@@ -595,9 +596,10 @@ pub(crate) struct SettingError(String);
 impl AmqpArgs {
     /// The broker.
     pub(crate) fn config(&self) -> AmqpConfig {
-        AmqpConfig {
-            url: SecretUrl::new(self.amqp_url.clone()),
-            ca_file: self.amqp_ca_file.clone(),
+        let config = AmqpConfig::new(SecretUrl::new(self.amqp_url.clone()));
+        match &self.amqp_ca_file {
+            Some(path) => config.with_ca_file(path.clone()),
+            None => config,
         }
     }
 }
