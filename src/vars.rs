@@ -38,6 +38,8 @@ pub const DEAD_LETTER_QUEUE: &str = "IDEM_DEAD_LETTER_QUEUE";
 pub const DELIVERY_LIMIT: &str = "IDEM_DELIVERY_LIMIT";
 /// `--retry-delays`.
 pub const RETRY_DELAYS: &str = "IDEM_RETRY_DELAYS";
+/// `--quorum-size`.
+pub const QUORUM_SIZE: &str = "IDEM_QUORUM_SIZE";
 /// `worker --max-attempts`.
 pub const MAX_ATTEMPTS: &str = "IDEM_MAX_ATTEMPTS";
 /// `worker --mode`.
@@ -76,5 +78,6 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
             RETRY_DELAYS,
             crate::duration::format_list(&topology.retry_delays),
         ),
+        (QUORUM_SIZE, topology.quorum_size.to_string()),
     ]
 }

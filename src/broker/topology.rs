@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind};
 use serde_json::{Value, json};
+use tracing::{info, warn};
 
 use super::publisher::Outgoing;
 
@@ -21,7 +22,8 @@ pub struct Topology {
     pub queue: String,
     /// Exchange the work queue dead-letters to.
     pub dead_letter_exchange: String,
-    /// Classic queue holding dead-lettered messages until they are replayed.
+    /// Quorum queue holding dead-lettered messages until they are replayed
+    /// or discarded.
     pub dead_letter_queue: String,
     /// The work queue's `x-delivery-limit`: the broker dead-letters a message
     /// returned more often than this. A backstop above the failure ledger's
@@ -32,6 +34,10 @@ pub struct Topology {
     /// first failure, its second, …; the last repeats. Each distinct delay
     /// above zero has a wait queue; zero returns the message at once.
     pub retry_delays: Vec<Duration>,
+    /// Replicas of each quorum queue when it is created
+    /// (`x-quorum-initial-group-size`; a cluster of fewer nodes gives each
+    /// node one). A queue that exists keeps the replicas it has.
+    pub quorum_size: u32,
 }
 
 /// The broker refused a declaration.
@@ -103,6 +109,17 @@ impl Topology {
         Duration::from_secs(300),
     ];
 
+    /// Replicas of a quorum queue unless said otherwise: a majority survives
+    /// the loss of any one node.
+    pub const DEFAULT_QUORUM_SIZE: u32 = 3;
+
+    /// The dead-letter queue's `x-delivery-limit`: browsing it (a get, then
+    /// a return) counts a delivery each time, and a quorum queue drops a
+    /// message at its limit (RabbitMQ 4 sets 20 when none is given). At
+    /// 2³¹ − 1 browses, a dead letter stays until it is replayed or
+    /// discarded.
+    pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
+
     /// The longest delay: RabbitMQ's `x-message-ttl` is at most 2³² − 1 ms.
     pub const MAX_RETRY_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
@@ -122,6 +139,7 @@ impl Topology {
             dead_letter_queue: dead_letter_queue.into(),
             delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
             retry_delays: Self::DEFAULT_RETRY_DELAYS.to_vec(),
+            quorum_size: Self::DEFAULT_QUORUM_SIZE,
         }
     }
 
@@ -182,8 +200,7 @@ impl Topology {
             queue: format!("{prefix}{}", self.queue),
             dead_letter_exchange: format!("{prefix}{}", self.dead_letter_exchange),
             dead_letter_queue: format!("{prefix}{}", self.dead_letter_queue),
-            delivery_limit: self.delivery_limit,
-            retry_delays: self.retry_delays.clone(),
+            ..self.clone()
         }
     }
 
@@ -200,13 +217,19 @@ impl Topology {
             ("x-dead-letter-strategy", json!("at-least-once")),
             ("x-overflow", json!("reject-publish")),
             ("x-delivery-limit", json!(self.delivery_limit)),
+            ("x-quorum-initial-group-size", json!(self.quorum_size)),
         ]
     }
 
-    /// Arguments of the dead-letter queue: a classic queue, because browsing
-    /// a quorum queue (get, then return) counts as deliveries.
-    fn dead_letter_queue_arguments() -> Vec<(&'static str, Value)> {
-        vec![("x-queue-type", json!("classic"))]
+    /// Arguments of the dead-letter queue: a quorum queue, so that dead
+    /// letters survive the loss of a node, whose delivery limit browsing
+    /// never reaches (see [`Topology::DEAD_LETTER_DELIVERY_LIMIT`]).
+    fn dead_letter_queue_arguments(&self) -> Vec<(&'static str, Value)> {
+        vec![
+            ("x-queue-type", json!("quorum")),
+            ("x-delivery-limit", json!(Self::DEAD_LETTER_DELIVERY_LIMIT)),
+            ("x-quorum-initial-group-size", json!(self.quorum_size)),
+        ]
     }
 
     /// Arguments of the wait queue of `delay`: nothing consumes it; each
@@ -221,6 +244,7 @@ impl Topology {
             ("x-dead-letter-routing-key", json!(self.queue)),
             ("x-dead-letter-strategy", json!("at-least-once")),
             ("x-overflow", json!("reject-publish")),
+            ("x-quorum-initial-group-size", json!(self.quorum_size)),
         ]
     }
 
@@ -230,7 +254,7 @@ impl Topology {
             (self.queue.clone(), self.work_queue_arguments()),
             (
                 self.dead_letter_queue.clone(),
-                Self::dead_letter_queue_arguments(),
+                self.dead_letter_queue_arguments(),
             ),
         ];
         for delay in self.waits() {
@@ -239,9 +263,15 @@ impl Topology {
         queues
     }
 
-    /// Declares everything; idempotent. A queue that exists with other
-    /// arguments is reported as [`TopologyError::Mismatch`].
-    pub async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
+    /// Declares everything, on channels of its own; idempotent. A queue
+    /// that exists with other arguments is reported as
+    /// [`TopologyError::Mismatch`], except for two differences that idem
+    /// accepts, saying so: the replicas a quorum queue was created with
+    /// (they only matter at creation), and a classic dead-letter queue, as
+    /// idem declared it before (it keeps working, but does not survive the
+    /// loss of its node).
+    pub async fn declare(&self, connection: &Connection) -> Result<(), TopologyError> {
+        let mut channel = open(connection, "the topology").await?;
         let durable = ExchangeDeclareOptions {
             durable: true,
             ..ExchangeDeclareOptions::default()
@@ -255,15 +285,10 @@ impl Topology {
                 .await
                 .map_err(|e| TopologyError::from_lapin(format!("exchange '{name}'"), e))?;
         }
-        let durable = QueueDeclareOptions {
-            durable: true,
-            ..QueueDeclareOptions::default()
-        };
         for (name, arguments) in self.queue_arguments() {
-            channel
-                .queue_declare(name.as_str().into(), durable, field_table(&arguments))
-                .await
-                .map_err(|e| TopologyError::from_lapin(format!("queue '{name}'"), e))?;
+            channel = self
+                .declare_queue(connection, channel, &name, arguments)
+                .await?;
         }
         for (queue, exchange, key) in self.bindings() {
             channel
@@ -277,7 +302,83 @@ impl Topology {
                 .await
                 .map_err(|e| TopologyError::from_lapin(format!("binding of '{queue}'"), e))?;
         }
+        super::connection::close_channel(&channel).await;
         Ok(())
+    }
+
+    /// Declares queue `name` with `arguments`; after a difference idem
+    /// accepts (which closes the channel), declares it again as it is, on a
+    /// new channel, so that every other argument is still compared.
+    /// Returns the channel to go on with.
+    async fn declare_queue(
+        &self,
+        connection: &Connection,
+        mut channel: Channel,
+        name: &str,
+        mut arguments: Vec<(&'static str, Value)>,
+    ) -> Result<Channel, TopologyError> {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let object = format!("queue '{name}'");
+        // Each accepted difference is taken once: at most one per argument.
+        for _ in 0..=arguments.len() {
+            let error = match channel
+                .queue_declare(name.into(), durable, field_table(&arguments))
+                .await
+            {
+                Ok(_) => return Ok(channel),
+                Err(error) => TopologyError::from_lapin(object.clone(), error),
+            };
+            let TopologyError::Mismatch { broker, .. } = &error else {
+                return Err(error);
+            };
+            let Some(difference) = Difference::parse(broker) else {
+                return Err(error);
+            };
+            match difference.argument.as_str() {
+                "x-quorum-initial-group-size" => {
+                    info!(
+                        queue = name,
+                        "queue '{name}' was created with another number of replicas \
+                         ({}); it keeps them (x-quorum-initial-group-size only applies \
+                         to a new queue)",
+                        difference
+                            .current
+                            .as_deref()
+                            .unwrap_or("the broker's default")
+                    );
+                    arguments.retain(|(key, _)| *key != difference.argument);
+                    if let Some(current) = &difference.current {
+                        let Ok(size) = current.parse::<u32>() else {
+                            return Err(error);
+                        };
+                        arguments.push(("x-quorum-initial-group-size", json!(size)));
+                    }
+                }
+                "x-queue-type"
+                    if name == self.dead_letter_queue
+                        && difference.current.as_deref().is_none_or(|t| t == "classic") =>
+                {
+                    warn!(
+                        queue = name,
+                        "the dead-letter queue '{name}' is a classic queue, as idem declared \
+                         it before: it works, but its messages are unreachable while its node \
+                         is down, and lost with it; to make it a quorum queue, empty it (idem \
+                         dlq replay, or discard --to FILE), delete it, and start the worker \
+                         again"
+                    );
+                    arguments = vec![("x-queue-type", json!("classic"))];
+                }
+                _ => return Err(error),
+            }
+            channel = open(connection, &object).await?;
+        }
+        Err(TopologyError::Mismatch {
+            object,
+            broker: "the broker kept finding other differences".into(),
+        })
     }
 
     /// (queue, exchange, routing key) of each binding.
@@ -324,6 +425,44 @@ impl Topology {
     }
 }
 
+/// A new channel on `connection`, for declaring `object`.
+async fn open(connection: &Connection, object: &str) -> Result<Channel, TopologyError> {
+    connection
+        .create_channel()
+        .await
+        .map_err(|source| TopologyError::Broker {
+            object: object.to_owned(),
+            source,
+        })
+}
+
+/// What a broker's `PRECONDITION_FAILED - inequivalent arg 'x-…' for queue
+/// '…' in vhost '…': received … but current is …` says: which argument,
+/// and the value the queue has (`None`: it has none).
+#[derive(Debug, PartialEq, Eq)]
+struct Difference {
+    argument: String,
+    current: Option<String>,
+}
+
+impl Difference {
+    fn parse(broker: &str) -> Option<Self> {
+        let after = broker.split_once("inequivalent arg '")?.1;
+        let argument = after.split_once('\'')?.0.to_owned();
+        let current = after.rsplit_once("but current is ")?.1;
+        let current = match current.strip_prefix("the value ") {
+            Some(typed) => Some(typed),
+            None if current.starts_with("none") => None,
+            None => Some(current),
+        };
+        let current = match current {
+            Some(quoted) => Some(quoted.strip_prefix('\'')?.split_once('\'')?.0.to_owned()),
+            None => None,
+        };
+        Some(Self { argument, current })
+    }
+}
+
 /// Messages ready in `queue` (delivered but unacked ones not counted),
 /// without changing it: a passive declare.
 pub async fn ready_messages(channel: &Channel, queue: &str) -> lapin::Result<u32> {
@@ -363,6 +502,42 @@ mod tests {
             retry_delays: delays.iter().map(|ms| Duration::from_millis(*ms)).collect(),
             ..Topology::new("x", "k", "work", "dlx", "dlq")
         }
+    }
+
+    #[test]
+    fn the_brokers_differences_are_read_in_the_forms_of_3_10_and_4_0() {
+        let parsed = |text: &str| Difference::parse(text).map(|d| (d.argument, d.current));
+        let arg = |a: &str, c: Option<&str>| Some((a.to_owned(), c.map(str::to_owned)));
+        let prefix = "PRECONDITION_FAILED - inequivalent arg";
+        assert_eq!(
+            parsed(&format!(
+                "{prefix} 'x-quorum-initial-group-size' for queue 'q' in vhost '/': \
+                 received none but current is the value '3' of type 'signedint'"
+            )),
+            arg("x-quorum-initial-group-size", Some("3"))
+        );
+        assert_eq!(
+            parsed(&format!(
+                "{prefix} 'x-quorum-initial-group-size' for queue 'q' in vhost '/': \
+                 received '1' but current is '3'"
+            )),
+            arg("x-quorum-initial-group-size", Some("3"))
+        );
+        assert_eq!(
+            parsed(&format!(
+                "{prefix} 'x-queue-type' for queue 'q' in vhost '/': received the value \
+                 'quorum' of type 'longstr' but current is none"
+            )),
+            arg("x-queue-type", None)
+        );
+        assert_eq!(
+            parsed(&format!(
+                "{prefix} 'x-queue-type' for queue 'q' in vhost '/': received 'quorum' \
+                 but current is 'classic'"
+            )),
+            arg("x-queue-type", Some("classic"))
+        );
+        assert_eq!(parsed("NOT_FOUND - no queue 'q'"), None);
     }
 
     #[test]

@@ -266,9 +266,7 @@ impl<'a> Bench<'a> {
         self.remove().await?;
         migrate::run::<Points>(&self.pool, Some(&self.schema)).await?;
         let connection = connect(&self.config.amqp, "idem bench").await?;
-        let channel = connection.create_channel().await?;
-        self.topology.declare(&channel).await?;
-        channel.close(200, "OK".into()).await?;
+        self.topology.declare(&connection).await?;
         connection.close(200, "OK".into()).await?;
         Ok(())
     }

@@ -180,8 +180,8 @@ async fn reset_topology(connection: &lapin::Connection, topology: &Topology) -> 
             .await
             .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
     }
-    topology.declare(&channel).await?;
     close_channel(&channel).await;
+    topology.declare(connection).await?;
     Ok(())
 }
 

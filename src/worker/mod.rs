@@ -623,15 +623,15 @@ async fn open_channel(
     connection: &Connection,
     config: &WorkerConfig,
 ) -> Result<(Channel, ConfirmChannel), OpenError> {
+    config
+        .topology
+        .declare(connection)
+        .await
+        .map_err(OpenError::Topology)?;
     let channel = connection
         .create_channel()
         .await
         .map_err(OpenError::Broker)?;
-    config
-        .topology
-        .declare(&channel)
-        .await
-        .map_err(OpenError::Topology)?;
     channel
         .basic_qos(config.prefetch, BasicQosOptions::default())
         .await

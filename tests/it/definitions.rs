@@ -115,16 +115,14 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
 
     let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
     let connection = connect(&amqp, "idem definitions test").await?;
-    let channel = connection.create_channel().await?;
-    idem::points::topology().declare(&channel).await?;
+    idem::points::topology().declare(&connection).await?;
 
     // And a worker configured otherwise is told so in one clear line.
     let other = Topology {
         delivery_limit: idem::points::topology().delivery_limit + 3,
         ..idem::points::topology()
     };
-    let channel = connection.create_channel().await?;
-    match other.declare(&channel).await {
+    match other.declare(&connection).await {
         Err(error @ TopologyError::Mismatch { .. }) => {
             let line = error.to_string();
             assert!(

@@ -359,9 +359,7 @@ impl TestEnv {
     /// Declares `topology` (as the worker would), and removes it on drop.
     pub async fn declare(&self, topology: &Topology) -> anyhow::Result<()> {
         let connection = self.connect().await?;
-        let channel = connection.create_channel().await?;
-        topology.declare(&channel).await?;
-        channel.close(200, "OK".into()).await?;
+        topology.declare(&connection).await?;
         connection.close(200, "OK".into()).await?;
         if *topology != self.topology {
             let mut extra = self

@@ -130,8 +130,7 @@ impl StockEnv {
             pool,
         };
         let connection = connect(&env.amqp, "idem stock test").await?;
-        let channel = connection.create_channel().await?;
-        topology().declare(&channel).await?;
+        topology().declare(&connection).await?;
         connection.close(200, "OK".into()).await?;
         let migrated = env
             .example(&database_url(), Mode::Batch)

@@ -196,6 +196,16 @@ pub(crate) struct QueueArgs {
         default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
+    /// Replicas of each quorum queue idem creates (x-quorum-initial-group-size);
+    /// a cluster of fewer nodes gives each node one. A queue that exists keeps
+    /// its replicas.
+    #[arg(
+        long,
+        env = vars::QUORUM_SIZE,
+        default_value_t = Topology::DEFAULT_QUORUM_SIZE,
+        value_parser = clap::value_parser!(u32).range(1..=99)
+    )]
+    pub(crate) quorum_size: u32,
 }
 
 /// Whose consume records and failure ledger.
@@ -638,6 +648,7 @@ pub(crate) fn topology(route: &RouteArgs, queues: &QueueArgs) -> Topology {
     Topology {
         delivery_limit: queues.delivery_limit,
         retry_delays: queues.retry_delays.0.clone(),
+        quorum_size: queues.quorum_size,
         ..Topology::new(
             &route.exchange,
             &route.routing_key,
