@@ -11,7 +11,7 @@ pub use connection::{
     close_channel, connect, connect_with_retry, first_refusal, refusal,
 };
 pub use publisher::{
-    ConfirmChannel, Outgoing, PublishOptions, PublishReport, Refusal, publish_all, publish_showing,
-    settle,
+    ConfirmChannel, Nacks, Outgoing, PublishOptions, PublishReport, Refusal, publish_all,
+    publish_showing, settle,
 };
 pub use topology::{Topology, TopologyError, ready_messages};

@@ -4,12 +4,14 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use backon::BackoffBuilder;
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
 use crate::progress::Progress;
 
@@ -146,8 +148,12 @@ pub struct PublishReport {
     pub confirmed: usize,
     /// Index in the input and reason, for each refused message.
     pub refused: Vec<(usize, Refusal)>,
-    /// Messages sent again after a connection loss (their first confirm never came).
+    /// Messages sent again after a connection loss (their first confirm
+    /// never came) or a nack.
     pub resent: usize,
+    /// Nacks that were answered by sending the message again on a fresh
+    /// channel (see [`Nacks`]).
+    pub nacks_retried: usize,
     /// Connections lost and reopened on the way.
     pub reconnects: usize,
     /// Not sent because `shutdown` fired first.
@@ -166,7 +172,8 @@ impl PublishReport {
 pub struct PublishOptions {
     /// Most messages awaiting their confirm at once.
     pub window: usize,
-    /// How long to keep trying to (re)connect before giving up.
+    /// How long to keep trying to (re)connect, or to get nacked messages
+    /// confirmed, before giving up.
     pub patience: Duration,
 }
 
@@ -175,14 +182,71 @@ impl PublishOptions {
     pub const DEFAULT_WINDOW: usize = 256;
 }
 
+/// Pacing for the messages a broker nacks.
+///
+/// A nack says the broker could not store the message. It can pass: when a
+/// quorum queue's leader dies, a channel that published to it may see every
+/// later message nacked while a fresh channel on the same connection is
+/// confirmed. So nacked messages go again, on a fresh channel, after a wait
+/// that grows; once `patience` passes without a confirm they count as
+/// refused.
+#[derive(Debug)]
+pub struct Nacks {
+    patience: Duration,
+    waits: crate::backoff::Deadline,
+}
+
+impl Nacks {
+    /// Gives up after `patience` without a confirm.
+    pub fn new(patience: Duration) -> Self {
+        Self {
+            patience,
+            waits: crate::backoff::until(patience).build(),
+        }
+    }
+
+    /// After a channel had `count` messages nacked: waits, and says whether
+    /// to send them again on a fresh channel (false once the patience is
+    /// spent or `shutdown` fired). `progressed` says some message was
+    /// confirmed since the last call, which restarts the patience.
+    pub async fn again(
+        &mut self,
+        count: usize,
+        progressed: bool,
+        shutdown: &CancellationToken,
+    ) -> bool {
+        if progressed {
+            self.waits = crate::backoff::until(self.patience).build();
+        }
+        let Some(wait) = self.waits.next().filter(|_| !shutdown.is_cancelled()) else {
+            warn!(
+                count,
+                "RabbitMQ kept nacking messages for {:.0}s; giving up on them",
+                self.patience.as_secs_f64()
+            );
+            return false;
+        };
+        warn!(
+            count,
+            "RabbitMQ nacked messages; sending them again on a fresh channel in {:.1}s",
+            wait.as_secs_f64()
+        );
+        tokio::select! {
+            () = tokio::time::sleep(wait) => true,
+            () = shutdown.cancelled() => false,
+        }
+    }
+}
+
 /// Publishes every message, keeping up to `window` confirms outstanding.
 ///
 /// When the connection drops, it reconnects and sends again every message
 /// whose confirm did not arrive; a message may therefore arrive twice, which
-/// the consumer's deduplication absorbs. Stops early when `shutdown` fires,
-/// after the outstanding confirms arrive. Fails when the broker refuses the
-/// messages outright (no such exchange, no permission): sending them again
-/// would not help.
+/// the consumer's deduplication absorbs. What the broker nacks goes again
+/// on a fresh channel, within the patience (see [`Nacks`]). Stops early
+/// when `shutdown` fires, after the outstanding confirms arrive. Fails when
+/// the broker refuses the messages outright (no such exchange, no
+/// permission): sending them again would not help.
 pub async fn publish_all(
     amqp: &AmqpConfig,
     messages: &[Outgoing],
@@ -201,36 +265,30 @@ pub async fn publish_showing(
     progress: &Progress,
     shutdown: &CancellationToken,
 ) -> Result<PublishReport, SessionError> {
-    let mut report = PublishReport::default();
-    let mut todo: VecDeque<usize> = (0..messages.len()).collect();
-    let mut sent = vec![false; messages.len()];
+    let mut batch = Batch {
+        messages,
+        todo: (0..messages.len()).collect(),
+        sent: vec![false; messages.len()],
+        nacked: Vec::new(),
+        refuse_nacks: false,
+        report: PublishReport::default(),
+        progress,
+    };
     let mut reconnects = Reconnects::new(options.patience, "publishing");
+    let mut nacks = Nacks::new(options.patience);
     loop {
-        let settled = report.confirmed + report.refused.len();
+        let settled = batch.settled();
         let connection =
             connect_with_retry(amqp, "idem publish", options.patience, shutdown).await?;
         let _watch = ConnectionWatch::start(&connection, "publishing");
-        let lost = match ConfirmChannel::open(&connection).await {
-            Ok(channel) => {
-                let mut batch = Batch {
-                    messages,
-                    todo: &mut todo,
-                    sent: &mut sent,
-                    report: &mut report,
-                    progress,
-                };
-                let lost = batch.publish_on(&channel, options.window, shutdown).await;
-                if lost.is_none() {
-                    close_channel(channel.channel()).await;
-                }
-                lost
-            }
-            Err(error) => Some(error),
-        };
+        let lost = batch
+            .publish_over(&connection, options.window, &mut nacks, shutdown)
+            .await;
         close(&connection).await;
         match lost {
             Some(error) if !shutdown.is_cancelled() => {
-                let progressed = report.confirmed + report.refused.len() > settled;
+                let progressed = batch.settled() > settled;
+                let report = &batch.report;
                 reconnects
                     .after(&error, progressed, shutdown)
                     .await
@@ -242,11 +300,11 @@ pub async fn publish_showing(
                         )),
                         other => other,
                     })?;
-                report.reconnects += 1;
+                batch.report.reconnects += 1;
             }
             _ => {
-                report.unsent = todo.len();
-                return Ok(report);
+                batch.report.unsent = batch.todo.len();
+                return Ok(batch.report);
             }
         }
     }
@@ -256,16 +314,78 @@ pub async fn publish_showing(
 struct Batch<'a> {
     messages: &'a [Outgoing],
     /// Indices still to send, in order.
-    todo: &'a mut VecDeque<usize>,
+    todo: VecDeque<usize>,
     /// Which indices were sent at least once, to count resends.
-    sent: &'a mut [bool],
-    report: &'a mut PublishReport,
+    sent: Vec<bool>,
+    /// Indices nacked on the current channel, to send again on a fresh one.
+    nacked: Vec<usize>,
+    /// Whether a nack is final: the patience for nacks is spent.
+    refuse_nacks: bool,
+    report: PublishReport,
     progress: &'a Progress,
 }
 
 impl Batch<'_> {
-    /// Publishes from `todo` on one channel until it is empty or the channel
-    /// fails; what was not confirmed goes back into `todo`.
+    /// Messages confirmed or refused for good.
+    fn settled(&self) -> usize {
+        self.report.confirmed + self.report.refused.len()
+    }
+
+    /// Publishes from `todo` over `connection`, on a fresh channel after
+    /// each round of nacks, until `todo` is empty or the connection fails;
+    /// what was not confirmed goes back into `todo`.
+    async fn publish_over(
+        &mut self,
+        connection: &Connection,
+        window: usize,
+        nacks: &mut Nacks,
+        shutdown: &CancellationToken,
+    ) -> Option<lapin::Error> {
+        loop {
+            let confirmed = self.report.confirmed;
+            let lost = match ConfirmChannel::open(connection).await {
+                Ok(channel) => {
+                    let lost = self.publish_on(&channel, window, shutdown).await;
+                    if lost.is_none() {
+                        close_channel(channel.channel()).await;
+                    }
+                    lost
+                }
+                Err(error) => Some(error),
+            };
+            let mut nacked = std::mem::take(&mut self.nacked);
+            nacked.sort_unstable();
+            let count = nacked.len();
+            let again = lost.is_some()
+                || count == 0
+                || nacks
+                    .again(count, self.report.confirmed > confirmed, shutdown)
+                    .await;
+            if again {
+                // Before the rest, in their order.
+                for index in nacked.into_iter().rev() {
+                    self.todo.push_front(index);
+                }
+                if lost.is_none() {
+                    self.report.nacks_retried += count;
+                }
+            } else {
+                self.progress.inc(count as u64);
+                self.report
+                    .refused
+                    .extend(nacked.into_iter().map(|index| (index, Refusal::Nacked)));
+                self.refuse_nacks = true;
+            }
+            if lost.is_some() || count == 0 || self.todo.is_empty() || shutdown.is_cancelled() {
+                return lost;
+            }
+        }
+    }
+
+    /// Publishes from `todo` on one channel until it is empty, the channel
+    /// fails, or the broker nacks a message (then it drains what is in
+    /// flight); what was not confirmed goes back into `todo`, what was
+    /// nacked into `nacked`.
     async fn publish_on(
         &mut self,
         channel: &ConfirmChannel,
@@ -275,7 +395,11 @@ impl Batch<'_> {
         let mut in_flight = FuturesUnordered::new();
         let mut lost = None;
         loop {
-            while lost.is_none() && in_flight.len() < window.max(1) && !shutdown.is_cancelled() {
+            while lost.is_none()
+                && self.nacked.is_empty()
+                && in_flight.len() < window.max(1)
+                && !shutdown.is_cancelled()
+            {
                 let Some(index) = self.todo.pop_front() else {
                     break;
                 };
@@ -299,6 +423,7 @@ impl Batch<'_> {
                     self.report.confirmed += 1;
                     self.progress.inc(1);
                 }
+                Ok(Err(Refusal::Nacked)) if !self.refuse_nacks => self.nacked.push(index),
                 Ok(Err(refusal)) => {
                     self.report.refused.push((index, refusal));
                     self.progress.inc(1);

@@ -26,8 +26,8 @@ use tracing::warn;
 
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, ConnectionWatch, Outgoing, Reconnects, close, close_channel,
-    connect_with_retry, settle,
+    AmqpConfig, ConfirmChannel, ConnectionWatch, Nacks, Outgoing, Reconnects, Refusal, close,
+    close_channel, connect_with_retry, settle,
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
@@ -137,6 +137,9 @@ pub struct Report {
     pub ledger_unavailable: Option<String>,
     /// Connections lost and reopened on the way.
     pub reconnects: usize,
+    /// Replays the broker nacked and that were sent again on a fresh
+    /// channel.
+    pub nacks_retried: usize,
 }
 
 impl Report {
@@ -193,6 +196,7 @@ pub async fn run_showing<H: Handler>(
         ready => ready?,
     }
     let mut reconnects = Reconnects::new(config.patience, "working through dead letters");
+    let mut nacks = Nacks::new(config.patience);
     loop {
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();
         let connection =
@@ -206,6 +210,7 @@ pub async fn run_showing<H: Handler>(
             store: &store,
             discards: discards.as_mut(),
             report: &mut report,
+            nacks: &mut nacks,
             held: Vec::new(),
         };
         let result = pass.run(&connection, shutdown).await;
@@ -271,6 +276,7 @@ struct Pass<'a, H> {
     store: &'a Store,
     discards: Option<&'a mut std::fs::File>,
     report: &'a mut Report,
+    nacks: &'a mut Nacks,
     /// Tags of messages taken but left in the queue.
     held: Vec<DeliveryTag>,
 }
@@ -282,7 +288,7 @@ impl<H: Handler> Pass<'_, H> {
         shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
         let getter = connection.create_channel().await?;
-        let publisher = match self.action {
+        let mut publisher = match self.action {
             Action::Replay { .. } => Some(ConfirmChannel::open(connection).await?),
             _ => None,
         };
@@ -344,8 +350,9 @@ impl<H: Handler> Pass<'_, H> {
                         self.report.skipped_invalid += invalid.len();
                         self.held.extend(invalid.iter().map(|letter| letter.tag));
                     }
-                    if let Some(publisher) = &publisher {
-                        self.replay(&getter, publisher, replay, &mut pacer).await?;
+                    if let Some(publisher) = &mut publisher {
+                        self.replay(&getter, connection, publisher, replay, &mut pacer, shutdown)
+                            .await?;
                     }
                 }
                 Action::Discard { .. } => self.discard(&getter, matched).await?,
@@ -457,13 +464,17 @@ impl<H: Handler> Pass<'_, H> {
 
     /// Resets the ledger of the letters' events, sends their replays (at
     /// the pacer's rate), and acks each dead-letter copy whose replay the
-    /// broker confirmed.
+    /// broker confirmed. What the broker nacks goes again on a fresh
+    /// channel of `connection`, which replaces `publisher`, within the
+    /// patience.
     async fn replay(
         &mut self,
         getter: &Channel,
-        publisher: &ConfirmChannel,
+        connection: &lapin::Connection,
+        publisher: &mut ConfirmChannel,
         letters: Vec<Letter>,
         pacer: &mut Option<Pacer>,
+        shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
         // A replay starts a fresh budget of attempts: the reset goes first.
         let ids: Vec<&str> = letters
@@ -500,23 +511,49 @@ impl<H: Handler> Pass<'_, H> {
                 pacer.wait().await;
             }
             let confirm = publisher.send(&message).await?;
-            sent.push((letter.tag, letter.entry, message.routing_key, confirm));
+            sent.push((letter.tag, letter.entry, message, confirm));
         }
-        for (tag, entry, queue, confirm) in sent {
-            match settle(confirm).await? {
-                Ok(()) => {
-                    getter.basic_ack(tag, BasicAckOptions::default()).await?;
-                    self.report.replayed.push(entry);
-                }
-                Err(refusal) => {
-                    self.report
-                        .failed
-                        .push((entry, format!("replay to queue '{queue}' {refusal}")));
-                    self.held.push(tag);
+        loop {
+            let replayed = self.report.replayed.len();
+            let mut nacked = Vec::new();
+            for (tag, entry, message, confirm) in sent {
+                match settle(confirm).await? {
+                    Ok(()) => {
+                        getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                        self.report.replayed.push(entry);
+                    }
+                    Err(Refusal::Nacked) => nacked.push((tag, entry, message)),
+                    Err(refusal) => self.not_replayed(tag, entry, &message, &refusal),
                 }
             }
+            if nacked.is_empty() {
+                return Ok(());
+            }
+            let progressed = self.report.replayed.len() > replayed;
+            if !self.nacks.again(nacked.len(), progressed, shutdown).await {
+                for (tag, entry, message) in nacked {
+                    self.not_replayed(tag, entry, &message, &Refusal::Nacked);
+                }
+                return Ok(());
+            }
+            self.report.nacks_retried += nacked.len();
+            close_channel(publisher.channel()).await;
+            *publisher = ConfirmChannel::open(connection).await?;
+            sent = Vec::with_capacity(nacked.len());
+            for (tag, entry, message) in nacked {
+                let confirm = publisher.send(&message).await?;
+                sent.push((tag, entry, message, confirm));
+            }
         }
-        Ok(())
+    }
+
+    /// Leaves a dead letter in its queue, saying why its replay failed.
+    fn not_replayed(&mut self, tag: DeliveryTag, entry: Entry, message: &Outgoing, why: &Refusal) {
+        self.report.failed.push((
+            entry,
+            format!("replay to queue '{}' {why}", message.routing_key),
+        ));
+        self.held.push(tag);
     }
 
     /// Writes the letters to the discard file, syncs it, then acks each.
@@ -867,6 +904,13 @@ impl fmt::Display for Printed<'_> {
             )?;
             if !per_queue.is_empty() {
                 write!(f, " ({})", per_queue.join(", "))?;
+            }
+            if report.nacks_retried > 0 {
+                write!(
+                    f,
+                    "; {} nacked by the broker and sent again",
+                    report.nacks_retried
+                )?;
             }
         } else if let Some(file) = &report.file {
             write!(

@@ -88,6 +88,13 @@ impl fmt::Display for Summary {
                 report.reconnects, report.resent
             )?;
         }
+        if report.nacks_retried > 0 {
+            write!(
+                f,
+                " ({} nacked by the broker and sent again)",
+                report.nacks_retried
+            )?;
+        }
         for (index, refusal) in report.refused.iter().take(10) {
             write!(f, "\n  message {}: {refusal}", index + 1)?;
         }

@@ -10,9 +10,12 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use deadpool_postgres::Pool;
+use futures::StreamExt;
 use lapin::options::{
-    BasicGetOptions, BasicNackOptions, ExchangeDeleteOptions, QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions,
+    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
 use tokio::task::JoinHandle;
@@ -375,6 +378,42 @@ impl TestEnv {
         Ok(connect(&self.amqp, "idem test").await?)
     }
 
+    /// Declares a classic queue of this test's own that holds at most
+    /// `ready` messages and nacks what comes beyond (`reject-publish`);
+    /// what it rejects goes to the dead-letter queue. Removed on drop.
+    pub async fn bounded_queue(&self, suffix: &str, ready: i64) -> anyhow::Result<String> {
+        let queue = format!("{}.{suffix}", self.topology.queue);
+        let connection = self.connect().await?;
+        let channel = connection.create_channel().await?;
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(ready));
+        arguments.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        arguments.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString("".into()),
+        );
+        arguments.insert(
+            "x-dead-letter-routing-key".into(),
+            AMQPValue::LongString(self.topology.dead_letter_queue.as_str().into()),
+        );
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                arguments,
+            )
+            .await?;
+        connection.close(200, "OK".into()).await?;
+        self.extra_queues
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .push(queue.clone());
+        Ok(queue)
+    }
+
     /// A worker configuration for this environment in `mode`: idem's
     /// defaults, with deadlines for a test.
     pub fn worker_config(&self, mode: Mode) -> WorkerConfig {
@@ -580,11 +619,19 @@ pub async fn publish(
         .iter()
         .map(|body| topology.event(body.clone()))
         .collect();
+    publish_messages(amqp, &messages).await
+}
+
+/// Publishes `messages` with confirms; fails unless every one is confirmed.
+pub async fn publish_messages(
+    amqp: &AmqpConfig,
+    messages: &[Outgoing],
+) -> anyhow::Result<PublishReport> {
     let options = PublishOptions {
         window: 500,
         patience: patient(Duration::from_secs(10)),
     };
-    let report = publish_all(amqp, &messages, &options, &CancellationToken::new()).await?;
+    let report = publish_all(amqp, messages, &options, &CancellationToken::new()).await?;
     if !report.all_confirmed() {
         bail!("test publish not confirmed: {report:?}");
     }
@@ -632,6 +679,66 @@ pub async fn peek(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<Vec<DeadLett
     channel.close(200, "OK".into()).await?;
     connection.close(200, "OK".into()).await?;
     Ok(letters)
+}
+
+/// A consumer that holds each message for a while before it acks it, and
+/// keeps the bodies: what a publisher meets behind a slow consumer.
+pub struct SlowConsumer {
+    bodies: tokio::sync::watch::Receiver<Vec<Vec<u8>>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl SlowConsumer {
+    /// Consumes `queue`, one message at a time, each held for `hold`.
+    pub async fn start(amqp: &AmqpConfig, queue: &str, hold: Duration) -> anyhow::Result<Self> {
+        let connection = connect(amqp, "idem test").await?;
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(1, BasicQosOptions::default()).await?;
+        let mut consumer = channel
+            .basic_consume(
+                queue.into(),
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let (tell, bodies) = tokio::sync::watch::channel(Vec::new());
+        let task = tokio::spawn(async move {
+            let _connection = connection;
+            while let Some(delivery) = consumer.next().await {
+                let delivery = delivery?;
+                tokio::time::sleep(hold).await;
+                delivery.ack(BasicAckOptions::default()).await?;
+                tell.send_modify(|bodies| bodies.push(delivery.data));
+            }
+            Ok(())
+        });
+        Ok(Self { bodies, task })
+    }
+
+    /// Waits until it has acked `count` messages; their bodies, sorted.
+    pub async fn received(
+        mut self,
+        count: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<Vec<Vec<u8>>> {
+        let got = tokio::time::timeout(
+            patient(timeout),
+            self.bodies.wait_for(|bodies| bodies.len() >= count),
+        )
+        .await
+        .map(|bodies| bodies.map(|bodies| bodies.clone()));
+        self.task.abort();
+        let mut bodies = match got {
+            Ok(bodies) => bodies?,
+            Err(_) => bail!(
+                "the consumer got {} of {count} messages",
+                self.bodies.borrow().len()
+            ),
+        };
+        bodies.sort();
+        Ok(bodies)
+    }
 }
 
 /// A message read from the dead-letter queue.

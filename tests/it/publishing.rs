@@ -1,15 +1,13 @@
 //! A publish counts only when confirmed and routed; anything else is a
 //! failure the publisher reports.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::{AMQPValue, FieldTable};
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::{Outgoing, PublishOptions, Refusal, SessionError, publish_all};
 
-use crate::helpers::{TestEnv, patient};
+use crate::helpers::{SlowConsumer, TestEnv, patient};
 
 fn message(exchange: &str, routing_key: &str, body: &[u8]) -> Outgoing {
     Outgoing::json(exchange, routing_key, body.to_vec())
@@ -46,50 +44,58 @@ async fn an_unroutable_publish_is_reported_as_returned() -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_publish_to_a_full_queue_is_reported_as_nacked() -> anyhow::Result<()> {
+async fn a_publish_that_a_full_queue_keeps_nacking_is_reported_once_the_patience_is_spent()
+-> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let queue = format!("{}.full", env.topology.queue);
-    let connection = env.connect().await?;
-    let channel = connection.create_channel().await?;
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(1));
-    arguments.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                auto_delete: false,
-                exclusive: false,
-                ..QueueDeclareOptions::default()
-            },
-            arguments,
-        )
-        .await?;
-    channel.close(200, "OK".into()).await?;
-    connection.close(200, "OK".into()).await?;
+    let queue = env.bounded_queue("full", 1).await?;
     let messages: Vec<Outgoing> = (0..3).map(|_| message("", &queue, b"{}")).collect();
     let options = PublishOptions {
         window: 1,
-        ..options()
+        patience: Duration::from_secs(2),
     };
-    let report = publish_all(&env.amqp, &messages, &options, &CancellationToken::new()).await;
-    // Remove the queue before asserting.
-    let connection = env.connect().await?;
-    let channel = connection.create_channel().await?;
-    channel
-        .queue_delete(queue.as_str().into(), Default::default())
-        .await?;
-    channel.close(200, "OK".into()).await?;
-    connection.close(200, "OK".into()).await?;
-    let report = report?;
+    let started = Instant::now();
+    let report = publish_all(&env.amqp, &messages, &options, &CancellationToken::new()).await?;
     assert_eq!(report.confirmed, 1);
     assert_eq!(
         report.refused,
         vec![(1, Refusal::Nacked), (2, Refusal::Nacked)]
     );
+    assert!(report.nacks_retried > 0, "{report:?}");
+    assert!(
+        started.elapsed() >= options.patience,
+        "gave up after {:?}",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_full_queue_nacks_goes_again_on_a_fresh_channel_until_it_is_confirmed()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let queue = env.bounded_queue("slow", 1).await?;
+    // One message held by the consumer, one ready: the next is nacked
+    // until the consumer takes another.
+    let consumer = SlowConsumer::start(&env.amqp, &queue, Duration::from_millis(500)).await?;
+    let bodies: Vec<Vec<u8>> = (0..6)
+        .map(|i| format!("{{\"n\":{i}}}").into_bytes())
+        .collect();
+    let messages: Vec<Outgoing> = bodies
+        .iter()
+        .map(|body| message("", &queue, body))
+        .collect();
+    let options = PublishOptions {
+        window: 1,
+        patience: patient(Duration::from_secs(30)),
+    };
+    let report = publish_all(&env.amqp, &messages, &options, &CancellationToken::new()).await?;
+    assert!(report.all_confirmed(), "{report:?}");
+    assert_eq!(report.confirmed, messages.len());
+    assert!(report.nacks_retried > 0, "nothing was nacked: {report:?}");
+    let received = consumer
+        .received(bodies.len(), Duration::from_secs(30))
+        .await?;
+    assert_eq!(received, bodies, "each message arrived once");
     Ok(())
 }
 

@@ -9,13 +9,14 @@ use lapin::options::{BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use idem::broker::Outgoing;
 use idem::commands::dlq::{self, Action, DlqConfig, Filter, Report};
 use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
 use crate::helpers::{
-    GROUP, RunningWorker, TestEnv, amqp_url, database_url, idem_command, patient, unique_name,
-    wait_for,
+    GROUP, RunningWorker, SlowConsumer, TestEnv, amqp_url, database_url, idem_command, patient,
+    publish_messages, unique_name, wait_for,
 };
 
 /// What the dead-letter queue holds, in the order it got them.
@@ -76,11 +77,17 @@ async fn dead_letters_of_every_kind(env: &TestEnv) -> anyhow::Result<Letters> {
         points: 4,
     };
     env.publish_events(std::slice::from_ref(&applied)).await?;
-    reject(env, 1, false).await?;
+    reject(env, &env.topology.queue, 1, false).await?;
     env.publish_events(std::slice::from_ref(&over_the_limit))
         .await?;
     // A quorum queue delivers it the limit and once more, then dead-letters it.
-    reject(env, env.topology.delivery_limit + 1, true).await?;
+    reject(
+        env,
+        &env.topology.queue,
+        env.topology.delivery_limit + 1,
+        true,
+    )
+    .await?;
     wait_for(
         "all seven dead letters",
         Duration::from_secs(30),
@@ -95,14 +102,14 @@ async fn dead_letters_of_every_kind(env: &TestEnv) -> anyhow::Result<Letters> {
     })
 }
 
-/// Takes the work queue's next `times` deliveries and rejects each.
-async fn reject(env: &TestEnv, times: u32, requeue: bool) -> anyhow::Result<()> {
+/// Takes `queue`'s next `times` deliveries and rejects each.
+async fn reject(env: &TestEnv, queue: &str, times: u32, requeue: bool) -> anyhow::Result<()> {
     let connection = env.connect().await?;
     let channel = connection.create_channel().await?;
     channel.basic_qos(1, BasicQosOptions::default()).await?;
     let mut consumer = channel
         .basic_consume(
-            env.topology.queue.as_str().into(),
+            queue.into(),
             "".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
@@ -449,4 +456,49 @@ impl Drop for Removed {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_the_broker_nacks_goes_again_on_a_fresh_channel_until_it_is_confirmed()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let events: Vec<PaymentSucceeded> = (0..5)
+        .map(|i| PaymentSucceeded {
+            event_id: format!("{}-{i}", env.name),
+            order_id: "an-order".into(),
+            points: 1,
+        })
+        .collect();
+    // They die in a queue that takes one message at a time, so that their
+    // replays go back to it.
+    let queue = env.bounded_queue("bounded", 1).await?;
+    for event in &events {
+        publish_messages(&env.amqp, &[Outgoing::json("", &queue, event.to_body())]).await?;
+        reject(&env, &queue, 1, false).await?;
+    }
+    // Behind a slow consumer, most replays are nacked at first.
+    let consumer = SlowConsumer::start(&env.amqp, &queue, Duration::from_millis(500)).await?;
+    let config = DlqConfig {
+        patience: patient(Duration::from_secs(30)),
+        ..config(&env, Filter::default())
+    };
+    let action = Action::Replay {
+        rate: None,
+        include_invalid: false,
+    };
+    let report = dlq::run(&config, &action, &Points, &CancellationToken::new()).await?;
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(report.replayed.len(), events.len());
+    assert!(report.nacks_retried > 0, "nothing was nacked: {report:?}");
+    let mut bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+    bodies.sort();
+    assert_eq!(
+        consumer
+            .received(bodies.len(), Duration::from_secs(30))
+            .await?,
+        bodies,
+        "each replay arrived once"
+    );
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    Ok(())
 }
