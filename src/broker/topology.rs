@@ -366,7 +366,7 @@ impl Topology {
                         "the dead-letter queue '{name}' is a classic queue, as idem declared \
                          it before: it works, but its messages are unreachable while its node \
                          is down, and lost with it; to make it a quorum queue, empty it (idem \
-                         dlq replay, or discard --to FILE), delete it, and start the worker \
+                         dlq replay, or dlq discard --to FILE), delete it, and start the worker \
                          again"
                     );
                     arguments = vec![("x-queue-type", json!("classic"))];

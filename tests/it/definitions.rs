@@ -5,10 +5,15 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::helpers::{Vhost, rabbitmqctl_run};
+use crate::helpers::{
+    GROUP, TestEnv, Vhost, WorkerProcess, amqp_url, database_url, idem_command, load, peek,
+    rabbitmqctl_run, wait_for,
+};
 
 use idem::broker::{AmqpConfig, Topology, TopologyError, connect};
 use idem::secret::SecretUrl;
+use idem::vars;
+use idem::worker::Mode;
 
 const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/rabbit-definitions.json");
 
@@ -130,6 +135,147 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
                 "{line}"
             );
             assert!(!line.contains('\n'));
+        }
+        other => bail!("expected a mismatch, got {other:?}"),
+    }
+    connection.close(200, "OK".into()).await?;
+    Ok(())
+}
+
+/// Declares `topology` as idem did before its queues were replicated: a
+/// classic dead-letter queue, quorum queues without
+/// `x-quorum-initial-group-size`.
+async fn declare_as_before(
+    connection: &lapin::Connection,
+    topology: &Topology,
+) -> anyhow::Result<()> {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let table = |pairs: &[(&str, AMQPValue)]| {
+        let mut table = FieldTable::default();
+        for (key, value) in pairs {
+            table.insert((*key).into(), value.clone());
+        }
+        table
+    };
+    let text = |s: &str| AMQPValue::LongString(s.into());
+    let at_least_once = [
+        ("x-queue-type", text("quorum")),
+        ("x-dead-letter-strategy", text("at-least-once")),
+        ("x-overflow", text("reject-publish")),
+    ];
+    let mut work = at_least_once.to_vec();
+    work.extend([
+        (
+            "x-dead-letter-exchange",
+            text(&topology.dead_letter_exchange),
+        ),
+        ("x-dead-letter-routing-key", text(&topology.queue)),
+        (
+            "x-delivery-limit",
+            AMQPValue::LongLongInt(topology.delivery_limit.into()),
+        ),
+    ]);
+    let mut queues = vec![
+        (topology.queue.clone(), table(&work)),
+        (topology.dead_letter_queue.clone(), FieldTable::default()),
+    ];
+    for delay in topology.waits() {
+        let mut wait = at_least_once.to_vec();
+        wait.extend([
+            (
+                "x-message-ttl",
+                AMQPValue::LongLongInt(delay.as_millis() as i64),
+            ),
+            ("x-dead-letter-exchange", text("")),
+            ("x-dead-letter-routing-key", text(&topology.queue)),
+        ]);
+        queues.push((topology.wait_queue(delay), table(&wait)));
+    }
+    let channel = connection.create_channel().await?;
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    for (name, arguments) in queues {
+        channel
+            .queue_declare(name.as_str().into(), durable, arguments)
+            .await?;
+    }
+    for (queue, exchange, key) in [
+        (&topology.queue, &topology.exchange, &topology.routing_key),
+        (
+            &topology.dead_letter_queue,
+            &topology.dead_letter_exchange,
+            &topology.queue,
+        ),
+    ] {
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    channel.close(200, "OK".into()).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topology_an_older_idem_declared_keeps_working_and_a_real_difference_is_still_refused()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // The test's exchanges, queues of their own.
+    let old = Topology {
+        queue: format!("{}.old", env.topology.queue),
+        dead_letter_queue: format!("{}.old.dlq", env.topology.queue),
+        ..env.topology.clone()
+    };
+    env.remove_on_drop(&old.queues())?;
+    let connection = env.connect().await?;
+    declare_as_before(&connection, &old).await?;
+
+    let load = load(&env, 200, 0.1, 5);
+    let invalid = vec![b"not an event".to_vec()];
+    let mut command = idem_command(&env, &amqp_url(), &database_url());
+    command
+        .envs(vars::topology(&old))
+        .args(["worker", "--mode", Mode::Batch.as_flag()]);
+    let worker = WorkerProcess::start(command)?;
+    // The worker declares the topology before it consumes: a queue can
+    // only count consumers once it has taken the old layout.
+    wait_for("the worker consuming", Duration::from_secs(30), || async {
+        Ok(env.consumers(&old.queue).await? == 1)
+    })
+    .await?;
+    env.publish_events(&load).await?;
+    env.publish_bodies(&invalid).await?;
+    let distinct = idem::generate::distinct_events(&load) as i64;
+    wait_for("every event applied", Duration::from_secs(30), || async {
+        Ok(env.records(GROUP).await? == distinct && env.ready(&old.dead_letter_queue).await? == 1)
+    })
+    .await?;
+    let log = worker.stop().await?;
+    assert!(
+        log.contains("is a classic queue, as idem declared it before"),
+        "{log}"
+    );
+    assert!(log.contains("keeps them"), "{log}");
+    let letters = peek(&env.amqp, &old.dead_letter_queue).await?;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].body, invalid[0]);
+
+    // What the worker would not take: another delivery limit.
+    let other = Topology {
+        delivery_limit: old.delivery_limit + 1,
+        ..old.clone()
+    };
+    match other.declare(&connection).await {
+        Err(TopologyError::Mismatch { broker, .. }) => {
+            assert!(broker.contains("x-delivery-limit"), "{broker}")
         }
         other => bail!("expected a mismatch, got {other:?}"),
     }

@@ -306,7 +306,13 @@ pub struct TestEnv {
 impl TestEnv {
     /// A migrated schema and a declared topology, both new.
     pub async fn new() -> anyhow::Result<Self> {
-        Self::create(None).await
+        Self::create(None, amqp_url()).await
+    }
+
+    /// As [`TestEnv::new`], on the broker (or cluster: one URL per node,
+    /// separated by commas) at `amqp_url`.
+    pub async fn on_broker(amqp_url: String) -> anyhow::Result<Self> {
+        Self::create(None, amqp_url).await
     }
 
     /// As [`TestEnv::new`], in a database of the test's own: for tests that
@@ -318,10 +324,10 @@ impl TestEnv {
         client
             .batch_execute(&format!("CREATE DATABASE {database}"))
             .await?;
-        Self::create(Some(database)).await
+        Self::create(Some(database), amqp_url()).await
     }
 
-    async fn create(own_database: Option<String>) -> anyhow::Result<Self> {
+    async fn create(own_database: Option<String>, amqp_url: String) -> anyhow::Result<Self> {
         sweep_leftovers_once();
         let name = unique_name();
         let schema = name.clone();
@@ -339,7 +345,7 @@ impl TestEnv {
             retry_delays: TEST_RETRY_DELAYS.to_vec(),
             ..idem::points::topology().prefixed(&format!("{}.", name.replace('_', "-")))
         };
-        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
+        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url));
         let env = Self {
             name,
             schema,
@@ -371,6 +377,33 @@ impl TestEnv {
                 .map_err(|_| anyhow::anyhow!("poisoned"))?;
             extra.extend(topology.queues());
         }
+        Ok(())
+    }
+
+    /// Consumers of `queue`, as the broker counts them.
+    pub async fn consumers(&self, queue: &str) -> anyhow::Result<u32> {
+        let connection = self.connect().await?;
+        let channel = connection.create_channel().await?;
+        let declared = channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        connection.close(200, "OK".into()).await?;
+        Ok(declared.consumer_count())
+    }
+
+    /// Removes `queues` with the test's own when it ends.
+    pub fn remove_on_drop(&self, queues: &[String]) -> anyhow::Result<()> {
+        self.extra_queues
+            .lock()
+            .map_err(|_| anyhow::anyhow!("poisoned"))?
+            .extend_from_slice(queues);
         Ok(())
     }
 
@@ -681,6 +714,15 @@ pub async fn peek(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<Vec<DeadLett
     Ok(letters)
 }
 
+/// A file removed when the test ends, however it ends.
+pub struct Removed(pub std::path::PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// A consumer that holds each message for a while before it acks it, and
 /// keeps the bodies: what a publisher meets behind a slow consumer.
 pub struct SlowConsumer {
@@ -769,7 +811,13 @@ impl Drop for TestEnv {
             Some(database) => (vec![], vec![database.clone()]),
             None => (vec![self.schema.clone()], vec![]),
         };
-        clean_up(remove(queues, exchanges, schemas, databases));
+        clean_up(remove(
+            self.amqp.clone(),
+            queues,
+            exchanges,
+            schemas,
+            databases,
+        ));
     }
 }
 
@@ -790,7 +838,8 @@ pub fn clean_up(cleanup: impl Future<Output = anyhow::Result<()>> + Send + 'stat
 
 /// Removes `schema` and all it holds.
 pub async fn drop_schema(schema: String) -> anyhow::Result<()> {
-    remove(vec![], vec![], vec![schema], vec![]).await
+    let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
+    remove(amqp, vec![], vec![], vec![schema], vec![]).await
 }
 
 /// A client of the `postgres` database, for what a test does as an
@@ -803,13 +852,13 @@ pub async fn admin() -> anyhow::Result<tokio_postgres::Client> {
 }
 
 async fn remove(
+    amqp: AmqpConfig,
     queues: Vec<String>,
     exchanges: Vec<String>,
     schemas: Vec<String>,
     databases: Vec<String>,
 ) -> anyhow::Result<()> {
     if !queues.is_empty() || !exchanges.is_empty() {
-        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
         let connection = connect(&amqp, "idem test cleanup").await?;
         let channel = connection.create_channel().await?;
         for queue in queues {
@@ -937,7 +986,8 @@ async fn sweep() -> anyhow::Result<()> {
     let databases =
         orphans("SELECT datname::text FROM pg_database WHERE datname LIKE 'idem\\_t%'").await?;
     drop(client);
-    remove(queues, exchanges, schemas, databases).await
+    let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
+    remove(amqp, queues, exchanges, schemas, databases).await
 }
 
 /// How much slower than a quiet machine this run may be: `IDEM_TEST_SLACK`

@@ -15,8 +15,8 @@ use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
 use crate::helpers::{
-    GROUP, RunningWorker, SlowConsumer, TestEnv, amqp_url, database_url, idem_command, patient,
-    publish_messages, unique_name, wait_for,
+    GROUP, Removed, RunningWorker, SlowConsumer, TestEnv, amqp_url, database_url, idem_command,
+    patient, publish_messages, unique_name, wait_for,
 };
 
 /// What the dead-letter queue holds, in the order it got them.
@@ -447,15 +447,6 @@ async fn a_discard_writes_each_message_to_a_synced_file_before_it_removes_it() -
         "the others stay"
     );
     Ok(())
-}
-
-/// A file removed when the test ends, however it ends.
-struct Removed(std::path::PathBuf);
-
-impl Drop for Removed {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
