@@ -8,8 +8,9 @@ use std::time::Duration;
 use idem::points::PaymentSucceeded;
 
 use crate::helpers::{
-    GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_url, assert_exact,
-    database_url, load, patient, postgres_address, wait_for,
+    GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_host_port, amqp_url,
+    amqp_url_at, amqp_user, assert_exact, database_url, free_port, load, patient, postgres_address,
+    postgres_host_port, wait_for,
 };
 use crate::proxy::Proxy;
 use idem::worker::Mode;
@@ -727,3 +728,32 @@ in_both_modes!(
     a_database_refusing_new_connections_holds_deliveries_and_dead_letters_nothing,
     a_failure_the_ledger_cannot_take_holds_its_delivery_instead_of_returning_it,
 );
+
+/// Several PostgreSQL hosts and several RabbitMQ nodes, the first of each
+/// down: the worker connects to the next (for PostgreSQL, the next that
+/// accepts writes) and applies the load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_first_database_host_and_broker_node_down_the_worker_uses_the_next()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let down = free_port()?;
+    let server = postgres_host_port();
+    let mut database = database_url().replacen(&server, &format!("127.0.0.1:{down},{server}"), 1);
+    database.push(if database.contains('?') { '&' } else { '?' });
+    database.push_str("target_session_attrs=read-write");
+    let broker = format!("{},{}", amqp_url_at(down), amqp_url());
+    let worker = WorkerProcess::spawn(&env, Mode::Batch, &broker, &database, &[])?;
+    let load = load(&env, 500, 0.1, 5);
+    env.publish_events(&load).await?;
+    wait_applied(&env, &load, Duration::from_secs(60)).await?;
+    let log = worker.stop().await?;
+    assert_exact(&env, &load, &[]).await?;
+    assert!(log.contains("trying the next node"), "{log}");
+    let next = format!(
+        "connected to RabbitMQ at amqp://{}@{}/",
+        amqp_user(),
+        amqp_host_port()
+    );
+    assert!(log.contains(&next), "{log}");
+    Ok(())
+}

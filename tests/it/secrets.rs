@@ -33,6 +33,12 @@ fn amqp_corpus() -> Vec<String> {
         format!("amqp://guest:{p}@[::1:5672/%2f"),
         format!("amqp://guest:{p}"),
         format!("amqp://guest:{p}@{broker}/%2f%zz"),
+        // Several nodes: a refused one, then one that is malformed, or one
+        // that refuses the password.
+        format!("amqp://guest:{p}@127.0.0.1:1/%2f,amqp://guest:{p}@{broker}/%2f"),
+        format!("amqp://guest:guest@127.0.0.1:1/%2f,amqp://guest:{p}@[::1:5672/%2f"),
+        format!("amqp://guest:{p}@no-such-host.invalid/%2f,amqp//guest:{p}@{broker}/%2f"),
+        format!("amqp://guest:{p}@{broker}/%2f,"),
     ]
 }
 
