@@ -24,6 +24,7 @@ macro_rules! in_both_modes {
 }
 
 mod binary;
+mod cluster;
 mod dead_letters;
 mod definitions;
 mod faults;
