@@ -27,7 +27,7 @@ use tracing::warn;
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectionWatch, Nacks, Outgoing, Reconnects, Refusal, close,
-    close_channel, connect_with_retry, settle,
+    close_channel, connect_with_retry, ready_messages, settle,
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
@@ -256,6 +256,9 @@ enum PassError {
     File(anyhow::Error),
 }
 
+/// How long a command waits for what it gave back to be ready again.
+const GIVE_BACK_WAIT: Duration = Duration::from_secs(5);
+
 /// Most dead letters taken before they are acted on: one ledger statement,
 /// one file sync, one wait for confirms per chunk.
 const CHUNK: usize = 128;
@@ -394,6 +397,26 @@ impl<H: Handler> Pass<'_, H> {
         if let Some(publisher) = &publisher {
             close_channel(publisher.channel()).await;
         }
+        self.await_given_back(connection).await
+    }
+
+    /// Waits, a few seconds at most, until the queue holds at least as
+    /// many ready messages as were given back: a quorum queue makes them
+    /// ready again a moment after the nack, and the next command should see
+    /// every dead letter.
+    async fn await_given_back(&self, connection: &lapin::Connection) -> Result<(), PassError> {
+        if self.held.is_empty() {
+            return Ok(());
+        }
+        let given_back = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
+        let channel = connection.create_channel().await?;
+        let deadline = Instant::now() + GIVE_BACK_WAIT;
+        while ready_messages(&channel, &self.config.dead_letter_queue).await? < given_back
+            && Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        close_channel(&channel).await;
         Ok(())
     }
 

@@ -710,6 +710,16 @@ pub async fn peek(amqp: &AmqpConfig, queue: &str) -> anyhow::Result<Vec<DeadLett
             .await?;
     }
     channel.close(200, "OK".into()).await?;
+    // A quorum queue makes what was given back ready a moment later: wait
+    // for it, so that the next look sees every message.
+    let channel = connection.create_channel().await?;
+    let peeked = u32::try_from(letters.len()).unwrap_or(u32::MAX);
+    wait_for(
+        "what was peeked to be back",
+        Duration::from_secs(10),
+        || async { Ok(idem::broker::ready_messages(&channel, queue).await? >= peeked) },
+    )
+    .await?;
     connection.close(200, "OK".into()).await?;
     Ok(letters)
 }
