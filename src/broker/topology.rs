@@ -466,6 +466,12 @@ impl Difference {
 /// Messages ready in `queue` (delivered but unacked ones not counted),
 /// without changing it: a passive declare.
 pub async fn ready_messages(channel: &Channel, queue: &str) -> lapin::Result<u32> {
+    Ok(queue_counts(channel, queue).await?.0)
+}
+
+/// Messages ready in `queue` and its consumers, by a passive declare,
+/// which closes `channel` when the queue does not exist.
+pub async fn queue_counts(channel: &Channel, queue: &str) -> lapin::Result<(u32, u32)> {
     let declared = channel
         .queue_declare(
             queue.into(),
@@ -476,7 +482,7 @@ pub async fn ready_messages(channel: &Channel, queue: &str) -> lapin::Result<u32
             FieldTable::default(),
         )
         .await?;
-    Ok(declared.message_count())
+    Ok((declared.message_count(), declared.consumer_count()))
 }
 
 fn field_table(arguments: &[(&str, Value)]) -> FieldTable {

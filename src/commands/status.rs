@@ -6,12 +6,10 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use super::dlq::{self, Action, DlqConfig, Filter, printable};
-use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry};
+use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry, queue_counts};
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::{DatabaseConfig, ReadyError, Store};
@@ -74,19 +72,7 @@ pub async fn run<H: Handler>(
     for name in config.topology.queues() {
         // A passive declare of a missing queue closes its channel: one each.
         let channel = connection.create_channel().await?;
-        let declared = channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        let counts = declared
-            .ok()
-            .map(|queue| (queue.message_count(), queue.consumer_count()));
+        let counts = queue_counts(&channel, &name).await.ok();
         if counts.is_some() {
             close_channel(&channel).await;
         }

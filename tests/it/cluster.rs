@@ -91,6 +91,14 @@ impl Cluster {
             .join(",")
     }
 
+    /// `rabbitmqctl list_queues` of the default vhost, as `asking` (a node
+    /// that is up) answers, with `columns` (and options).
+    fn list_queues(&self, asking: &str, columns: &[&str]) -> anyhow::Result<String> {
+        let mut args = vec![asking, "list_queues", "-p", "/"];
+        args.extend_from_slice(columns);
+        self.run("ctl", &args)
+    }
+
     /// The node that leads `queue` and those that follow it, as `asking`
     /// (a node that is up) sees them.
     fn members(&self, asking: &str, queue: &str) -> anyhow::Result<(String, Vec<String>)> {
@@ -100,19 +108,9 @@ impl Cluster {
             leader: String,
             members: Vec<String>,
         }
-        let listing = self.run(
-            "ctl",
-            &[
-                asking,
-                "list_queues",
-                "-p",
-                "/",
-                "name",
-                "leader",
-                "members",
-                "--formatter",
-                "json",
-            ],
+        let listing = self.list_queues(
+            asking,
+            &["name", "leader", "members", "--formatter", "json"],
         )?;
         let rows: Vec<Row> = serde_json::from_str(&listing)
             .with_context(|| format!("reading list_queues: {listing}"))?;
@@ -346,34 +344,24 @@ async fn a_node_lost_under_load(fault: Fault) -> anyhow::Result<()> {
     // dead_letter_worker_publisher_confirm_timeout (180 s by default), once
     // or twice, before it is sent again: kept in its source queue
     // meanwhile, counted there, not lost.
-    wait_for("the dead letters", Duration::from_secs(600), || async {
+    let all_dead = wait_for("the dead letters", Duration::from_secs(600), || async {
         Ok(env.ready(&env.topology.dead_letter_queue).await? as usize >= dead.len())
     })
-    .await
-    .with_context(|| {
-        format!(
+    .await;
+    if let Err(error) = all_dead {
+        let columns = [
+            "name",
+            "messages",
+            "messages_ready",
+            "messages_unacknowledged",
+        ];
+        return Err(error.context(format!(
             "{} of {} dead letters; the queues: {}",
-            futures::executor::block_on(env.ready(&env.topology.dead_letter_queue))
-                .unwrap_or_default(),
+            env.ready(&env.topology.dead_letter_queue).await?,
             dead.len(),
-            cluster
-                .run(
-                    "ctl",
-                    &[
-                        asking,
-                        "list_queues",
-                        "-p",
-                        "/",
-                        "name",
-                        "messages",
-                        "messages_ready",
-                        "messages_unacknowledged",
-                        "type"
-                    ]
-                )
-                .unwrap_or_default()
-        )
-    })?;
+            cluster.list_queues(asking, &columns)?
+        )));
+    }
     let dead_complete = lost_at.elapsed();
     wait_for(
         "the work and wait queues empty",

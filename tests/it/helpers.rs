@@ -384,18 +384,9 @@ impl TestEnv {
     pub async fn consumers(&self, queue: &str) -> anyhow::Result<u32> {
         let connection = self.connect().await?;
         let channel = connection.create_channel().await?;
-        let declared = channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
+        let (_, consumers) = idem::broker::queue_counts(&channel, queue).await?;
         connection.close(200, "OK".into()).await?;
-        Ok(declared.consumer_count())
+        Ok(consumers)
     }
 
     /// Removes `queues` with the test's own when it ends.
