@@ -100,7 +100,7 @@
 //! - [`broker`] — RabbitMQ: connections, topology, confirmed publishing,
 //!   dead-letter headers.
 //! - [`worker`] — the consume loop: batches, processing, settling, shutdown.
-//! - [`commands`] — `publish`, `dlq` (and `requeue`), `demo` and `bench`.
+//! - [`commands`] — `publish`, `dlq` (and `requeue`), `status`, `demo`, `bench` and `lab`.
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
 //! - [`duration`] — durations as flags and queue names write them.

@@ -12,6 +12,8 @@ pub const AMQP_CA_FILE: &str = "IDEM_AMQP_CA_FILE";
 pub const DATABASE_URL: &str = "DATABASE_URL";
 /// `--database-ca-file`.
 pub const DATABASE_CA_FILE: &str = "IDEM_DATABASE_CA_FILE";
+/// `lab --redis-url`.
+pub const REDIS_URL: &str = "REDIS_URL";
 /// `--schema`.
 pub const SCHEMA: &str = "IDEM_SCHEMA";
 /// `--lock-timeout`.

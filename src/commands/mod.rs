@@ -4,5 +4,6 @@
 pub mod bench;
 pub mod demo;
 pub mod dlq;
+pub mod lab;
 pub mod publish;
 pub mod status;

@@ -31,6 +31,7 @@ mod faults;
 mod handlers;
 mod helpers;
 mod idempotency;
+mod lab;
 mod migrations;
 mod observe;
 mod proxy;

@@ -64,6 +64,36 @@ fn postgres_corpus() -> Vec<String> {
     ]
 }
 
+/// For `idem lab`'s Redis.
+fn redis_corpus() -> Vec<String> {
+    let p = PASSWORD;
+    vec![
+        format!("redis://:{p}@127.0.0.1:6379"),
+        format!("redis://user:{p}@127.0.0.1:6379/0"),
+        format!("redis://:{p}@127.0.0.1:1"),
+        format!("rediss://:{p}@127.0.0.1:6379"),
+        format!("redis://:pa/{p}@127.0.0.1:6379"),
+        format!("redis://:p@{p}@127.0.0.1:6379"),
+        format!("redis//:{p}@127.0.0.1:6379"),
+        format!("redis://:{p}@[::1:6379"),
+        format!("redis://:{p}@127.0.0.1:6379/notadb"),
+        p.to_owned(),
+    ]
+}
+
+/// The smallest lab, should one of the strings above let it run.
+const LAB: &[&str] = &[
+    "lab",
+    "--strategies",
+    "redis",
+    "--events",
+    "1",
+    "--load",
+    "1",
+    "--rounds",
+    "1",
+];
+
 /// Every subcommand, with what it needs to get as far as a connection.
 const SUBCOMMANDS: &[&[&str]] = &[
     &["migrate"],
@@ -89,6 +119,7 @@ const SUBCOMMANDS: &[&[&str]] = &[
         "--modes",
         "ceiling",
     ],
+    LAB,
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -96,12 +127,13 @@ async fn no_password_reaches_any_output_whatever_the_shape_of_its_connection_str
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let mut runs = Vec::new();
-    for (variable, corpus) in [
-        (vars::AMQP_URL, amqp_corpus()),
-        (vars::DATABASE_URL, postgres_corpus()),
+    for (variable, corpus, subcommands) in [
+        (vars::AMQP_URL, amqp_corpus(), SUBCOMMANDS),
+        (vars::DATABASE_URL, postgres_corpus(), SUBCOMMANDS),
+        (vars::REDIS_URL, redis_corpus(), &[LAB] as &[&[&str]]),
     ] {
         for url in corpus {
-            for args in SUBCOMMANDS {
+            for args in subcommands {
                 for format in ["text", "json"] {
                     runs.push((variable, url.clone(), *args, format));
                 }
@@ -144,7 +176,9 @@ async fn no_password_reaches_any_output_whatever_the_shape_of_its_connection_str
     }
     assert_eq!(
         runs,
-        (amqp_corpus().len() + postgres_corpus().len()) * SUBCOMMANDS.len() * 2
+        ((amqp_corpus().len() + postgres_corpus().len()) * SUBCOMMANDS.len()
+            + redis_corpus().len())
+            * 2
     );
     assert!(
         leaks.is_empty(),

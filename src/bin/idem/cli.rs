@@ -14,6 +14,7 @@ use tracing::warn;
 use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
 use idem::commands::dlq::{Action, DlqConfig, Filter, View};
+use idem::commands::lab::{LabConfig, Strategy};
 use idem::commands::publish::{PublishConfig, Source};
 use idem::commands::status::StatusConfig;
 use idem::duration;
@@ -68,6 +69,9 @@ pub(crate) enum Command {
     Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
     Bench(BenchArgs),
+    /// Run the deduplication strategies a team might choose side by side,
+    /// under the same faults, and show what each does to the effect.
+    Lab(LabArgs),
 }
 
 /// Where RabbitMQ is.
@@ -546,6 +550,87 @@ pub(crate) struct BenchArgs {
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
     pub(crate) database: DatabaseArgs,
+}
+
+/// `idem lab`.
+#[derive(Debug, Args)]
+pub(crate) struct LabArgs {
+    /// Events per fault (and per step a consumer is killed after).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub(crate) events: u32,
+    /// Copies of an event delivered at once, each to its own consumer.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(2..=64))]
+    pub(crate) copies: u32,
+    /// Messages of the fault-free load (10 % duplicates), for the throughput.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..=10_000_000))]
+    pub(crate) load: u32,
+    /// Consumers of the fault-free load.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub(crate) consumers: u32,
+    /// Rounds of the fault-free load; the median throughput is shown.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=99))]
+    pub(crate) rounds: u32,
+    /// Prefetch of each consumer of the fault-free load.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefetch: u16,
+    /// Expiry of the Redis strategy's keys, as a team would set it.
+    #[arg(long, default_value = "1h")]
+    pub(crate) redis_ttl: Wait,
+    /// Their expiry when the lab lets a copy come back after it.
+    #[arg(long, default_value = "1s")]
+    pub(crate) short_ttl: Wait,
+    /// The strategies to run, by name; default: all.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_parser = choice(&Strategy::ALL, Strategy::slug)
+    )]
+    pub(crate) strategies: Vec<Strategy>,
+    /// Seed of where the load's duplicates go.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// Start of the lab's schemas, queues and Redis keys (replaced at each run).
+    #[arg(long, default_value = LabConfig::DEFAULT_NAME)]
+    pub(crate) name: String,
+    /// Redis URL (a password in it is never printed).
+    #[arg(
+        long,
+        env = vars::REDIS_URL,
+        default_value = "redis://127.0.0.1:6379",
+        hide_env_values = true
+    )]
+    pub(crate) redis_url: String,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+}
+
+impl LabArgs {
+    /// Settings of `idem lab`.
+    pub(crate) fn config(&self) -> LabConfig {
+        let mut config = LabConfig::new(
+            self.amqp.config(),
+            self.database.config(1),
+            SecretUrl::new(self.redis_url.clone()),
+        );
+        if !self.strategies.is_empty() {
+            config.strategies = self.strategies.clone();
+        }
+        LabConfig {
+            events: self.events as usize,
+            copies: self.copies as usize,
+            load: self.load as usize,
+            consumers: self.consumers as usize,
+            rounds: self.rounds as usize,
+            prefetch: self.prefetch,
+            redis_ttl: self.redis_ttl.0,
+            short_ttl: self.short_ttl.0,
+            seed: self.seed,
+            name: self.name.clone(),
+            ..config
+        }
+    }
 }
 
 /// A parser that takes one of `all` by its flag, and lists them in help and

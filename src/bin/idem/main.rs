@@ -15,7 +15,7 @@ mod cli;
 
 use cli::{Cli, Command};
 use idem::commands::dlq::{self, Printed};
-use idem::commands::{bench, demo, publish, status};
+use idem::commands::{bench, demo, lab, publish, status};
 use idem::points::Points;
 use idem::progress::Progress;
 use idem::store::migrate;
@@ -42,7 +42,9 @@ fn main() -> ExitCode {
     };
     let format = cli.log_format;
     let default_filter = match cli.command {
-        Command::Demo(_) | Command::Bench(_) => "warn,lapin=off,tokio_postgres=warn",
+        Command::Demo(_) | Command::Bench(_) | Command::Lab(_) => {
+            "warn,lapin=off,tokio_postgres=warn"
+        }
         // lapin logs from its own task what it also returns to us, and we log
         // each error once, where it is handled.
         _ => "info,lapin=off,tokio_postgres=warn",
@@ -125,6 +127,10 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         }
         Command::Demo(args) => {
             let report = demo::run(args.amqp.config(), args.database.config(4)).await?;
+            println!("{report}");
+        }
+        Command::Lab(args) => {
+            let report = lab::run(&args.config()).await?;
             println!("{report}");
         }
     }
