@@ -1,7 +1,7 @@
 //! Generated loads of events, reproducible from a seed, with duplicates:
 //! for demos, load tests and benchmarks.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::points::PaymentSucceeded;
 
@@ -63,6 +63,37 @@ pub fn distinct_events(events: &[PaymentSucceeded]) -> usize {
         .len()
 }
 
+/// Gives every event of `events` a random UUID (version 4, from `seed`)
+/// as its id, as many producers do; the copies of an event keep sharing
+/// theirs. Random ids land all over the consume records' index, where
+/// sequential ones append at its end.
+pub fn with_uuid_ids(events: &mut [PaymentSucceeded], seed: u64) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut ids: HashMap<String, String> = HashMap::new();
+    for event in events {
+        let id = ids
+            .entry(event.event_id.clone())
+            .or_insert_with(|| uuid_v4(&mut rng));
+        event.event_id.clone_from(id);
+    }
+}
+
+fn uuid_v4(rng: &mut fastrand::Rng) -> String {
+    let bits = rng.u128(..);
+    // Version 4 in bits 76 to 79, variant 0b10 in bits 62 and 63.
+    let bits = (bits & !(0xf << 76)) | (0x4 << 76);
+    let bits = (bits & !(0x3 << 62)) | (0x2 << 62);
+    let hex = format!("{bits:032x}");
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -92,6 +123,26 @@ mod tests {
         let mut by_id = BTreeMap::new();
         for event in &load {
             assert_eq!(by_id.entry(&event.event_id).or_insert(event), &event);
+        }
+    }
+
+    #[test]
+    fn uuid_ids_are_version_4_and_shared_by_the_copies_of_an_event() {
+        let mut load = events(&spec(5));
+        let before = distinct_events(&load);
+        let pairs: Vec<(String, i64, String)> = load
+            .iter()
+            .map(|e| (e.order_id.clone(), e.points, e.event_id.clone()))
+            .collect();
+        with_uuid_ids(&mut load, 9);
+        assert_eq!(distinct_events(&load), before);
+        let mut old_to_new = BTreeMap::new();
+        for (event, (_, _, old)) in load.iter().zip(&pairs) {
+            let id = &event.event_id;
+            assert_eq!(id.len(), 36, "{id}");
+            assert_eq!(&id[14..15], "4", "{id}");
+            assert!("89ab".contains(&id[19..20]), "{id}");
+            assert_eq!(old_to_new.entry(old.clone()).or_insert(id.clone()), id);
         }
     }
 

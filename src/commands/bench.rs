@@ -48,6 +48,12 @@ pub struct BenchConfig {
     pub duplicate_ratio: f64,
     /// Orders the events are spread over.
     pub orders: usize,
+    /// Events with random UUIDs as ids instead of sequential ones.
+    pub uuid_ids: bool,
+    /// Consume records already in the table before a worker run, with
+    /// random UUID ids: each worker runs once per size in every round, to
+    /// show how deduplication holds up as records pile up.
+    pub prefill: Vec<u64>,
     /// Prefetch of every consumer measured.
     pub prefetch: u16,
     /// Batch mode's batch size.
@@ -108,6 +114,11 @@ pub struct Measurement {
     pub postgres_us_per_message: Option<f64>,
     /// CPU of the local RabbitMQ node per message, in microseconds.
     pub rabbitmq_us_per_message: Option<f64>,
+    /// WAL that PostgreSQL wrote per message, in bytes (`pg_stat_wal`,
+    /// the whole server's).
+    pub wal_bytes_per_message: Option<f64>,
+    /// Full-page images among it, per message.
+    pub wal_fpi_per_message: Option<f64>,
 }
 
 /// The medians of every round.
@@ -115,8 +126,9 @@ pub struct Measurement {
 pub struct BenchReport {
     /// Settings, for the printout.
     pub settings: String,
-    /// Each mode's measurements, one per round.
-    pub rounds: BTreeMap<&'static str, Vec<Measurement>>,
+    /// Each mode's measurements, one per round, in the order first run
+    /// (a mode over a prefilled table is a mode of its own).
+    pub rounds: Vec<(String, Vec<Measurement>)>,
     /// pgbench's transactions per second at 16 clients, per round.
     pub pgbench_tps: Vec<f64>,
     /// The same transaction as the general path runs it (five statements
@@ -133,6 +145,30 @@ const BATCH_BASELINE: &str = "3 batch, baseline build";
 /// A mode's key without the digit that orders the printout.
 fn label(key: &str) -> &str {
     key.split_once(' ').map_or(key, |(_, name)| name)
+}
+
+/// The key of `mode` run over `prefill` records.
+fn over(mode: &str, prefill: u64) -> String {
+    match prefill {
+        0 => mode.to_owned(),
+        n => format!("{mode}, {n} records before"),
+    }
+}
+
+impl BenchReport {
+    fn runs(&self, key: &str) -> Option<&Vec<Measurement>> {
+        self.rounds
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, runs)| runs)
+    }
+
+    fn push(&mut self, key: String, measured: Measurement) {
+        match self.rounds.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, runs)) => runs.push(measured),
+            None => self.rounds.push((key, vec![measured])),
+        }
+    }
 }
 
 /// Runs every round and returns the measurements. Stops early, removing
@@ -158,20 +194,34 @@ impl Bench<'_> {
     async fn rounds(&self) -> anyhow::Result<BenchReport> {
         let config = self.config;
         let bench = self;
-        let load = generate::events(&LoadSpec {
+        let mut load = generate::events(&LoadSpec {
             count: config.messages,
             duplicate_ratio: config.duplicate_ratio,
             orders: config.orders,
             seed: 42,
             prefix: "bench".into(),
         });
+        if config.uuid_ids {
+            generate::with_uuid_ids(&mut load, 42);
+        }
         let bodies: Vec<Vec<u8>> = load.iter().map(PaymentSucceeded::to_body).collect();
         let mut report = BenchReport {
             settings: format!(
-                "{} messages ({:.0}% duplicates, {} orders), quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight",
+                "{} messages ({:.0}% duplicates, {} orders, {} event ids), {} consume records before each worker run, quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight",
                 config.messages,
                 config.duplicate_ratio * 100.0,
                 config.orders,
+                if config.uuid_ids {
+                    "random UUID"
+                } else {
+                    "sequential"
+                },
+                config
+                    .prefill
+                    .iter()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" / "),
                 config.prefetch,
                 config.batch_size,
                 config.batch_wait,
@@ -188,7 +238,7 @@ impl Bench<'_> {
             if config.modes.contains(&Mode::Ceiling) {
                 let ceiling = bench.ceiling(config.messages).await?;
                 eprintln!("  ceiling      {:>9.0} msgs/s", ceiling.rate);
-                report.rounds.entry(CEILING).or_default().push(ceiling);
+                report.push(CEILING.to_owned(), ceiling);
             }
             for (wanted, args, keys) in [
                 (
@@ -211,12 +261,16 @@ impl Bench<'_> {
                     }
                 }
                 for (key, binary) in builds {
-                    bench.reset().await?;
-                    bench.publish(&bodies).await?;
-                    settle_down().await;
-                    let measured = bench.worker(binary, &args, &load).await?;
-                    eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
-                    report.rounds.entry(key).or_default().push(measured);
+                    for &prefill in &config.prefill {
+                        bench.reset().await?;
+                        let floor = bench.prefill(prefill).await?;
+                        bench.publish(&bodies).await?;
+                        settle_down().await;
+                        let measured = bench.worker(binary, &args, &load, floor).await?;
+                        let key = over(key, prefill);
+                        eprintln!("  {:<30} {:>9.0} msgs/s", label(&key), measured.rate);
+                        report.push(key, measured);
+                    }
                 }
             }
             if config.pgbench {
@@ -432,14 +486,75 @@ impl<'a> Bench<'a> {
         args
     }
 
+    /// Fills the consume records with `prefill` rows of random UUID ids in
+    /// the worker's consumer group, dated a day back, fast: the unique
+    /// index is dropped, the rows loaded, the index built again. Then
+    /// VACUUM, for a table as a long-running one is, and a checkpoint, so
+    /// that the run starts where a steady state would. Returns the highest
+    /// id among them: the run's own records are above it.
+    async fn prefill(&self, count: u64) -> anyhow::Result<i64> {
+        let count = i64::try_from(count)?;
+        if count == 0 {
+            return Ok(0);
+        }
+        let started = Instant::now();
+        let client = self.pool.get().await?;
+        client
+            .batch_execute(
+                "SET statement_timeout = 0; SET maintenance_work_mem = '512MB'; \
+                 ALTER TABLE mq_consume_record DROP CONSTRAINT uk_event_consumer",
+            )
+            .await?;
+        client
+            .execute(
+                "INSERT INTO mq_consume_record (event_id, consumer_group, consumed_at) \
+                 SELECT gen_random_uuid()::text, $1, now() - interval '1 day' \
+                 FROM generate_series(1, $2::bigint)",
+                &[&points::CONSUMER_GROUP, &count],
+            )
+            .await
+            .context("prefilling the consume records")?;
+        client
+            .batch_execute(
+                "ALTER TABLE mq_consume_record \
+                 ADD CONSTRAINT uk_event_consumer UNIQUE (event_id, consumer_group)",
+            )
+            .await?;
+        client
+            .batch_execute("VACUUM (ANALYZE) mq_consume_record")
+            .await?;
+        if let Err(error) = client.batch_execute("CHECKPOINT").await {
+            eprintln!(
+                "  no checkpoint after the prefill ({}): the run may write fewer full pages than a steady state",
+                crate::store::describe(&error)
+            );
+        }
+        client
+            .batch_execute("RESET statement_timeout; RESET maintenance_work_mem")
+            .await?;
+        let floor: i64 = client
+            .query_one("SELECT coalesce(max(id), 0) FROM mq_consume_record", &[])
+            .await?
+            .try_get(0)?;
+        eprintln!(
+            "  prefilled {count} consume records in {:.0} s",
+            started.elapsed().as_secs_f64()
+        );
+        Ok(floor)
+    }
+
     /// Runs `binary worker` with `args` until the load is applied, checks
-    /// the result, and measures.
+    /// the result, and measures. The run's consume records are those
+    /// whose id is above `floor`.
     async fn worker(
         &self,
         binary: &std::path::Path,
         args: &[String],
         load: &[PaymentSucceeded],
+        floor: i64,
     ) -> anyhow::Result<Measurement> {
+        let client = self.pool.get().await?;
+        let wal_before = wal(&client).await;
         let services = ServiceCpu::now();
         let mut worker = tokio::process::Command::new(binary);
         if let Some(ca_file) = &self.database.ca_file {
@@ -463,7 +578,6 @@ impl<'a> Bench<'a> {
             .context("cannot start the worker")?;
         let pid = child.id().context("the worker exited at once")?;
         let distinct = generate::distinct_events(load) as i64;
-        let client = self.pool.get().await?;
         let probe = QueueProbe::open(&self.config.amqp).await?;
         // No deadline for the whole load, which a slow machine stretches
         // without end; only for a stall: nothing taken, nothing recorded.
@@ -477,7 +591,10 @@ impl<'a> Bench<'a> {
             let mut recorded = -1;
             if ready == 0 {
                 recorded = client
-                    .query_one("SELECT count(*) FROM mq_consume_record", &[])
+                    .query_one(
+                        "SELECT count(*) FROM mq_consume_record WHERE id > $1",
+                        &[&floor],
+                    )
                     .await?
                     .try_get(0)?;
                 if recorded >= distinct {
@@ -501,6 +618,7 @@ impl<'a> Bench<'a> {
         probe.close().await;
         let usage = ProcessUsage::read(pid);
         let (postgres, rabbitmq) = ServiceCpu::now().per_message(&services, load.len() as f64);
+        let lsn_after = wal_lsn(&client).await;
         let stopped = tokio::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])
             .status()
@@ -508,27 +626,47 @@ impl<'a> Bench<'a> {
         ensure!(stopped.success(), "cannot stop the worker");
         let status = tokio::time::timeout(Duration::from_secs(60), child.wait()).await??;
         ensure!(status.success(), "the worker exited with {status}");
+        let fpi_after = settled_fpi(&client).await;
 
         let span: f64 = client
             .query_one(
-                "SELECT extract(epoch FROM max(consumed_at) - min(consumed_at))::float8 FROM mq_consume_record",
-                &[],
+                "SELECT extract(epoch FROM max(consumed_at) - min(consumed_at))::float8 \
+                 FROM mq_consume_record WHERE id > $1",
+                &[&floor],
             )
             .await?
             .try_get(0)?;
-        self.verify(load).await?;
+        self.verify(load, floor).await?;
         let messages = load.len() as f64;
+        let wal_bytes = match (&wal_before, lsn_after) {
+            (Some(before), Some(after)) => client
+                .query_one(
+                    "SELECT pg_wal_lsn_diff($1::text::pg_lsn, $2::text::pg_lsn)::float8",
+                    &[&after, &before.lsn],
+                )
+                .await
+                .ok()
+                .and_then(|row| row.try_get::<_, f64>(0).ok()),
+            _ => None,
+        };
+        let wal_fpi = wal_before
+            .as_ref()
+            .zip(fpi_after)
+            .map(|(before, after)| after - before.fpi);
         Ok(Measurement {
             rate: messages / span.max(1e-3),
             cpu_us_per_message: usage.as_ref().map(|u| u.cpu.as_secs_f64() * 1e6 / messages),
             peak_rss_mib: usage.map(|u| u.peak_rss_kib as f64 / 1024.0),
             postgres_us_per_message: postgres,
             rabbitmq_us_per_message: rabbitmq,
+            wal_bytes_per_message: wal_bytes.map(|bytes| bytes / messages),
+            wal_fpi_per_message: wal_fpi.map(|fpi| fpi / messages),
         })
     }
 
-    /// Every order at its exact total, one record per distinct event, nothing dead-lettered.
-    async fn verify(&self, load: &[PaymentSucceeded]) -> anyhow::Result<()> {
+    /// Every order at its exact total, one record per distinct event (above
+    /// `floor`, the prefilled ones), nothing dead-lettered.
+    async fn verify(&self, load: &[PaymentSucceeded], floor: i64) -> anyhow::Result<()> {
         let client = self.pool.get().await?;
         let points: BTreeMap<String, i64> = client
             .query("SELECT order_id, points FROM user_points", &[])
@@ -543,8 +681,8 @@ impl<'a> Bench<'a> {
         let (records, events): (i64, i64) = {
             let row = client
                 .query_one(
-                    "SELECT count(*), count(DISTINCT event_id) FROM mq_consume_record",
-                    &[],
+                    "SELECT count(*), count(DISTINCT event_id) FROM mq_consume_record WHERE id > $1",
+                    &[&floor],
                 )
                 .await?;
             (row.try_get(0)?, row.try_get(1)?)
@@ -634,6 +772,64 @@ fn pgbench_general_script() -> String {
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
         .replace("$2", PGBENCH_GROUP);
     format!("{PGBENCH_VARIABLES}BEGIN;\n{claim};\n{effect};\n{clear};\nCOMMIT;\n")
+}
+
+/// Where PostgreSQL's WAL stood before a run.
+#[derive(Debug, Clone)]
+struct Wal {
+    /// `pg_current_wal_lsn()`: the bytes written since are the difference.
+    lsn: String,
+    /// `pg_stat_wal.wal_fpi`: full-page images written so far.
+    fpi: f64,
+}
+
+/// Where the WAL stands (PostgreSQL 14 and later, for `pg_stat_wal`);
+/// `None` where it cannot be read.
+async fn wal(client: &tokio_postgres::Client) -> Option<Wal> {
+    let row = client
+        .query_one(
+            "SELECT pg_current_wal_lsn()::text, wal_fpi::float8 FROM pg_stat_wal",
+            &[],
+        )
+        .await
+        .ok()?;
+    Some(Wal {
+        lsn: row.try_get(0).ok()?,
+        fpi: row.try_get(1).ok()?,
+    })
+}
+
+async fn wal_lsn(client: &tokio_postgres::Client) -> Option<String> {
+    client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .ok()?
+        .try_get(0)
+        .ok()
+}
+
+/// `pg_stat_wal.wal_fpi` once it stops moving: sessions report their WAL
+/// statistics when they have been idle a moment, or when they end, not
+/// as they write. Gives up waiting after 10 s.
+async fn settled_fpi(client: &tokio_postgres::Client) -> Option<f64> {
+    let read = || async {
+        client
+            .query_one("SELECT wal_fpi::float8 FROM pg_stat_wal", &[])
+            .await
+            .ok()?
+            .try_get::<_, f64>(0)
+            .ok()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = read().await?;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let now = read().await?;
+        if now == last || Instant::now() > deadline {
+            return Some(now);
+        }
+        last = now;
+    }
 }
 
 /// Reads queue depths over one channel, so that polling costs the broker
@@ -779,9 +975,8 @@ fn median(values: impl Iterator<Item = f64>) -> Option<f64> {
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "idem bench: {}", self.settings)?;
-        let rates = |mode| -> Vec<f64> {
-            self.rounds
-                .get(mode)
+        let rates = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
                 .map(|runs| runs.iter().map(|m| m.rate).collect())
                 .unwrap_or_default()
         };
@@ -792,21 +987,24 @@ impl fmt::Display for BenchReport {
         let ceiling = rates(CEILING);
         writeln!(
             f,
-            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13}",
+            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
             "mode (medians of the rounds)",
             "msgs/s",
             "× ceiling",
             "worker CPU",
             "worker peak",
             "PostgreSQL",
-            "RabbitMQ"
+            "RabbitMQ",
+            "WAL",
+            "WAL full"
         )?;
         writeln!(
             f,
-            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13}",
-            "", "", "", "µs/msg", "RSS MiB", "CPU µs/msg", "CPU µs/msg"
+            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
+            "", "", "", "µs/msg", "RSS MiB", "CPU µs/msg", "CPU µs/msg", "B/msg", "pages/msg"
         )?;
         for (mode, runs) in &self.rounds {
+            let mode = mode.as_str();
             let median_of =
                 |pick: fn(&Measurement) -> Option<f64>| median(runs.iter().filter_map(pick));
             let rate = median_of(|m| Some(m.rate)).unwrap_or(0.0);
@@ -816,7 +1014,7 @@ impl fmt::Display for BenchReport {
             };
             writeln!(
                 f,
-                "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13}",
+                "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
                 label(mode),
                 rate,
                 show(of_ceiling, 2),
@@ -824,14 +1022,26 @@ impl fmt::Display for BenchReport {
                 show(median_of(|m| m.peak_rss_mib), 1),
                 show(median_of(|m| m.postgres_us_per_message), 1),
                 show(median_of(|m| m.rabbitmq_us_per_message), 1),
+                show(median_of(|m| m.wal_bytes_per_message), 0),
+                show(median_of(|m| m.wal_fpi_per_message), 3),
             )?;
         }
         if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
             writeln!(f, "batch / per-message: {times:.1} ×")?;
         }
-        let cpu = |mode| -> Vec<f64> {
-            self.rounds
-                .get(mode)
+        for (mode, _) in &self.rounds {
+            for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {
+                if let Some(times) = mode
+                    .strip_prefix(plain)
+                    .filter(|rest| !rest.is_empty())
+                    .and_then(|_| ratio(&rates(mode), &rates(plain)))
+                {
+                    writeln!(f, "{} / on an empty table: {times:.2} ×", label(mode))?;
+                }
+            }
+        }
+        let cpu = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
                 .map(|runs| runs.iter().filter_map(|m| m.cpu_us_per_message).collect())
                 .unwrap_or_default()
         };
@@ -865,7 +1075,12 @@ impl fmt::Display for BenchReport {
                 "pgbench, the same as the general path's five statements: {tps:.0} tps, {times:.2} × the tally's one"
             )?;
         }
-        let rounds = self.rounds.values().map(Vec::len).max().unwrap_or(0);
+        let rounds = self
+            .rounds
+            .iter()
+            .map(|(_, runs)| runs.len())
+            .max()
+            .unwrap_or(0);
         write!(
             f,
             "rounds: {rounds}; every run checked: exact totals, one record per event, nothing dead-lettered"

@@ -23,6 +23,7 @@ macro_rules! in_both_modes {
     )*};
 }
 
+mod bench;
 mod binary;
 mod cluster;
 mod dead_letters;

@@ -513,6 +513,15 @@ pub(crate) struct BenchArgs {
     /// Orders the events are spread over.
     #[arg(long, default_value_t = 1000)]
     pub(crate) orders: usize,
+    /// Random UUIDs as the load's event ids (as many producers use)
+    /// instead of sequential ones.
+    #[arg(long)]
+    pub(crate) uuid_ids: bool,
+    /// Consume records already in the table before a worker run (random
+    /// UUID ids; loaded, then indexed, then checkpointed); several sizes,
+    /// comma-separated, run each worker once per size in every round.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub(crate) prefill: Vec<u64>,
     /// Prefetch of every consumer measured.
     #[arg(long, default_value_t = Mode::Batch.tuning().prefetch)]
     pub(crate) prefetch: u16,
@@ -888,6 +897,8 @@ impl BenchArgs {
             messages: self.messages,
             duplicate_ratio: self.duplicate_ratio,
             orders: self.orders,
+            uuid_ids: self.uuid_ids,
+            prefill: self.prefill.clone(),
             prefetch: self.prefetch,
             batch_size: self.batch_size,
             batch_wait: self.batch_wait.0,

@@ -1,0 +1,60 @@
+//! `idem bench` over a table that already holds consume records: the run
+//! is told apart from the prefilled rows, checked, and its WAL reported.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::process::Command;
+
+use idem::vars;
+
+use crate::helpers::{amqp_url, database_url, patient};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -> anyhow::Result<()>
+{
+    let bench = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env(vars::AMQP_URL, amqp_url())
+        .env(vars::DATABASE_URL, database_url())
+        .args([
+            "bench",
+            "--messages",
+            "2000",
+            "--rounds",
+            "1",
+            "--modes",
+            "batch",
+        ])
+        .args(["--uuid-ids", "--prefill", "0,5000"])
+        .output();
+    let output = tokio::time::timeout(patient(Duration::from_secs(120)), bench)
+        .await
+        .context("the bench did not finish")??;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    // The bench checks every run (exact totals, one record per event of
+    // the load) and fails otherwise: its own records must be told apart
+    // from the 5,000 that were there before.
+    assert!(
+        stdout.contains("exact totals, one record per event"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("random UUID event ids"), "{stdout}");
+    let row = stdout
+        .lines()
+        .find(|line| line.starts_with("batch, 5000 records before "))
+        .with_context(|| format!("no row for the prefilled run: {stdout}"))?;
+    let fields: Vec<&str> = row.split_whitespace().collect();
+    let [.., wal_bytes, full_pages] = fields.as_slice() else {
+        anyhow::bail!("short row: {row}");
+    };
+    let wal_bytes: f64 = wal_bytes.parse().with_context(|| row.to_owned())?;
+    let full_pages: f64 = full_pages.parse().with_context(|| row.to_owned())?;
+    assert!(wal_bytes > 0.0, "{row}");
+    assert!(full_pages >= 0.0, "{row}");
+    assert!(
+        stdout.contains("batch, 5000 records before / on an empty table: "),
+        "{stdout}"
+    );
+    Ok(())
+}
