@@ -27,7 +27,7 @@ pub use strategy::{Step, Strategy};
 use crate::broker::{AmqpConfig, close, connect};
 use crate::secret::SecretUrl;
 use crate::store::{DatabaseConfig, is_identifier};
-use run::{Bench, Shape};
+use run::{Shape, Stage};
 
 /// What the lab runs, and where.
 #[derive(Debug, Clone)]
@@ -99,7 +99,7 @@ impl LabConfig {
     fn check(&self) -> anyhow::Result<()> {
         if !is_identifier(&self.name) {
             bail!(
-                "lab name `{}` is not a plain identifier (letters, digits, _)",
+                "--name `{}` is not a plain identifier (letters, digits, _; not starting with a digit)",
                 self.name
             );
         }
@@ -275,7 +275,7 @@ pub async fn run(config: &LabConfig) -> anyhow::Result<LabReport> {
     let mut rows = Vec::new();
     let mut result = Ok(());
     for &strategy in &config.strategies {
-        let bench = Bench {
+        let stage = Stage {
             strategy,
             queue: format!("{}.{}", config.name, strategy.slug()),
             pool: DatabaseConfig {
@@ -294,8 +294,8 @@ pub async fn run(config: &LabConfig) -> anyhow::Result<LabReport> {
             patience: config.patience,
         };
         let ran = async {
-            reset(&admin, &connection, config, &bench).await?;
-            runs(&bench, config).await
+            reset(&admin, &connection, config, &stage).await?;
+            runs(&stage, config).await
         }
         .await;
         match ran {
@@ -332,7 +332,7 @@ fn redis_client(url: &SecretUrl) -> anyhow::Result<redis::Client> {
 }
 
 /// One strategy under every fault, one after the other.
-async fn runs(bench: &Bench, config: &LabConfig) -> anyhow::Result<Vec<(Fault, Outcome)>> {
+async fn runs(stage: &Stage, config: &LabConfig) -> anyhow::Result<Vec<(Fault, Outcome)>> {
     let faulty = Shape {
         events: config.events,
         copies: 1,
@@ -360,7 +360,7 @@ async fn runs(bench: &Bench, config: &LabConfig) -> anyhow::Result<Vec<(Fault, O
             ..faulty.clone()
         },
     ));
-    for &step in bench.strategy.crash_points() {
+    for &step in stage.strategy.crash_points() {
         plan.push((
             Fault::Killed(step),
             format!("killed-{step:?}").to_lowercase(),
@@ -371,7 +371,7 @@ async fn runs(bench: &Bench, config: &LabConfig) -> anyhow::Result<Vec<(Fault, O
     plan.push((Fault::ComesBackAfterTtl, "after-ttl".to_owned(), faulty));
     let mut outcomes = Vec::new();
     for (fault, label, shape) in plan {
-        let outcome = bench
+        let outcome = stage
             .run(fault, &label, &shape)
             .await
             .with_context(|| describe(fault))?;
@@ -389,25 +389,25 @@ async fn reset(
     admin: &deadpool_postgres::Pool,
     connection: &lapin::Connection,
     config: &LabConfig,
-    bench: &Bench,
+    stage: &Stage,
 ) -> anyhow::Result<()> {
-    let schema = schema(config, bench.strategy);
+    let schema = schema(config, stage.strategy);
     let client = admin.get().await?;
     client
         .batch_execute(&format!(
             "DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}; \
              SET search_path = {schema}; {} RESET search_path;",
-            bench.strategy.schema()
+            stage.strategy.schema()
         ))
         .await
         .with_context(|| format!("cannot create schema {schema}"))?;
     let channel = connection.create_channel().await?;
     channel
-        .queue_delete(bench.queue.as_str().into(), QueueDeleteOptions::default())
+        .queue_delete(stage.queue.as_str().into(), QueueDeleteOptions::default())
         .await?;
     channel
         .queue_declare(
-            bench.queue.as_str().into(),
+            stage.queue.as_str().into(),
             QueueDeclareOptions::default(),
             FieldTable::default(),
         )

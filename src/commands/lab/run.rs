@@ -104,7 +104,7 @@ pub(crate) struct Shape {
 const POINTS: i64 = 100;
 
 /// Where a strategy's runs happen: its schema, queue and Redis keys.
-pub(crate) struct Bench {
+pub(crate) struct Stage {
     pub(crate) strategy: Strategy,
     pub(crate) queue: String,
     pub(crate) pool: Pool,
@@ -120,7 +120,7 @@ pub(crate) struct Bench {
     pub(crate) patience: Duration,
 }
 
-impl Bench {
+impl Stage {
     /// Runs the strategy under `fault` on events of its own, named `label`.
     pub(crate) async fn run(
         &self,
@@ -521,30 +521,22 @@ impl Delivered<'_> {
     where
         'tx: 'a,
     {
-        let on = on.into();
-        let points = self.event.points;
         let order = self.order_id();
-        let (sql, version) = match effect {
-            _ if self.run.fault == Fault::EffectFails && self.first() => ("SELECT 1 / 0", None),
+        let points = &self.event.points;
+        let (sql, params): (&str, Vec<&(dyn ToSql + Sync)>) = match &effect {
+            _ if self.run.fault == Fault::EffectFails && self.first() => ("SELECT 1 / 0", vec![]),
             Effect::Add => (
                 "UPDATE points SET points = points + $2, version = version + 1 \
                  WHERE order_id = $1",
-                None,
+                vec![&order, points],
             ),
             Effect::AddAt(version) => (
                 "UPDATE points SET points = points + $2, version = version + 1 \
                  WHERE order_id = $1 AND version = $3",
-                Some(version),
+                vec![&order, points, version],
             ),
         };
-        let mut params: Vec<&(dyn ToSql + Sync)> = Vec::new();
-        if sql.contains("$2") {
-            params.extend([&order as &(dyn ToSql + Sync), &points]);
-        }
-        if let Some(version) = &version {
-            params.push(version);
-        }
-        let changed = match on {
+        let changed = match on.into() {
             On::Session(client) => client.execute(sql, &params).await?,
             On::Tx(tx) => tx.execute(sql, &params).await?,
         };
