@@ -360,10 +360,9 @@ async fn reconnecting<H: Handler>(
                 Err(ConnectError::Interrupted) => return Ok(()),
                 Err(error) => return Err(error.into()),
             };
-        let watch = ConnectionWatch::start(&connection, "consuming");
         patience = RECONNECT_PATIENCE;
         let started = Instant::now();
-        let end = session(config, &connection, &watch, processor, shutdown).await;
+        let end = session(config, &connection, processor, shutdown).await;
         close(&connection).await;
         match end? {
             SessionEnd::Drained => return Ok(()),
@@ -415,18 +414,25 @@ async fn summarize(stats: Arc<Stats>, interval: Duration, shutdown: Cancellation
 async fn session<H: Handler>(
     config: &WorkerConfig,
     connection: &Connection,
-    watch: &ConnectionWatch,
     processor: &Arc<Processor<H>>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, WorkerError> {
-    let lost = watch.lost();
-    let (channel, publisher) = match open_channel(connection, config).await {
-        Ok(channels) => channels,
-        Err(OpenError::Topology(
-            error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. }),
-        )) => {
+    // The topology first, and only then the watch: comparing a queue's
+    // arguments can cost a channel the broker closes (an older idem's
+    // queue), and a watch listening then would take that for a lost
+    // connection. Unwatched, lapin drops those errors; by the time
+    // `declare` returns, it has dropped all of them.
+    match config.topology.declare(connection).await {
+        Ok(()) => {}
+        Err(error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. })) => {
             return Err(error.into());
         }
+        Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
+    }
+    let watch = ConnectionWatch::start(connection, "consuming");
+    let lost = watch.lost();
+    let (channel, publisher) = match open_channels(connection, config).await {
+        Ok(channels) => channels,
         Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
     };
     let deadline = async {
@@ -609,36 +615,17 @@ impl Pause {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
-enum OpenError {
-    #[error(transparent)]
-    Topology(TopologyError),
-    #[error(transparent)]
-    Broker(lapin::Error),
-}
-
-/// A channel to consume on, with the topology declared and the prefetch
-/// set, and one in confirm mode to send failed messages to wait on.
-async fn open_channel(
+/// A channel to consume on, with the prefetch set, and one in confirm mode
+/// to send failed messages to wait on.
+async fn open_channels(
     connection: &Connection,
     config: &WorkerConfig,
-) -> Result<(Channel, ConfirmChannel), OpenError> {
-    config
-        .topology
-        .declare(connection)
-        .await
-        .map_err(OpenError::Topology)?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(OpenError::Broker)?;
+) -> lapin::Result<(Channel, ConfirmChannel)> {
+    let channel = connection.create_channel().await?;
     channel
         .basic_qos(config.prefetch, BasicQosOptions::default())
-        .await
-        .map_err(OpenError::Broker)?;
-    let publisher = ConfirmChannel::open(connection)
-        .await
-        .map_err(OpenError::Broker)?;
+        .await?;
+    let publisher = ConfirmChannel::open(connection).await?;
     Ok((channel, publisher))
 }
 
