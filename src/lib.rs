@@ -119,6 +119,7 @@ pub mod generate;
 pub mod handler;
 pub mod points;
 pub mod progress;
+pub mod relay;
 pub mod secret;
 pub mod store;
 pub mod telemetry;

@@ -64,6 +64,10 @@ pub const SHUTDOWN_TIMEOUT: &str = "IDEM_SHUTDOWN_TIMEOUT";
 pub const HTTP_ADDR: &str = "IDEM_HTTP_ADDR";
 /// `worker --summary-interval`.
 pub const SUMMARY_INTERVAL: &str = "IDEM_SUMMARY_INTERVAL";
+/// `idem worker --credits-exchange`: send `points.credited` there, through the outbox.
+pub const CREDITS_EXCHANGE: &str = "IDEM_CREDITS_EXCHANGE";
+/// `idem worker --no-relay`: leave the outbox to `idem relay`.
+pub const NO_RELAY: &str = "IDEM_NO_RELAY";
 /// `publish --window`.
 pub const CONFIRM_WINDOW: &str = "IDEM_CONFIRM_WINDOW";
 

@@ -99,7 +99,66 @@ pub trait Handler: Send + Sync + 'static {
     fn tally(&self) -> Option<Tally<Self::Event>> {
         None
     }
+
+    /// Whether [`outgoing`](Handler::outgoing) may return messages: a
+    /// worker then runs a relay beside its consumer, which publishes them.
+    const SENDS_MESSAGES: bool = false;
+
+    /// Messages that applying `event` sends on (a notification, a command to
+    /// another service). idem writes them to the outbox (`mq_outbox`) in the
+    /// transaction that applies the event, so that they exist if and only if
+    /// the effect committed, never for a duplicate; a relay then publishes
+    /// them with publisher confirms and `mandatory`, each at least once, under
+    /// an idempotency key derived from the consumer group, the event's id and
+    /// the message's place in this list ([`message_id`]), as the AMQP
+    /// `message_id` and an `Idempotency-Key` header. Set
+    /// [`SENDS_MESSAGES`](Handler::SENDS_MESSAGES) when this can return any.
+    /// The default sends nothing.
+    fn outgoing(&self, event: &Self::Event) -> Vec<OutboxMessage> {
+        let _ = event;
+        Vec::new()
+    }
 }
+
+/// A message for the outbox: where it goes and what it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// The exchange it is published to.
+    pub exchange: String,
+    /// Its routing key.
+    pub routing_key: String,
+    /// Its `content_type` property, if any.
+    pub content_type: Option<String>,
+    /// Its body.
+    pub body: Vec<u8>,
+}
+
+impl OutboxMessage {
+    /// A JSON body for `exchange` and `routing_key`.
+    pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
+        Self {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            content_type: Some("application/json".to_owned()),
+            body,
+        }
+    }
+}
+
+/// The idempotency key of the `index`-th message that the event `event_id`
+/// sends in `consumer_group`: a name-based UUID (version 5), the same
+/// however often the event arrives, different for every group, event and
+/// index.
+pub fn message_id(consumer_group: &str, event_id: &str, index: usize) -> uuid::Uuid {
+    // Neither a group nor an event id holds a control character: the
+    // newlines keep ("a", "b\nc") and ("a\nb", "c") apart.
+    let name = format!("{consumer_group}\n{event_id}\n{index}");
+    uuid::Uuid::new_v5(&OUTBOX_NAMESPACE, name.as_bytes())
+}
+
+/// The namespace of [`message_id`]'s UUIDs: idem's own, fixed forever.
+const OUTBOX_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x6f1c_2e0a_9b57_4d3e_8a41_5c7e_b2d9_0f13);
 
 /// An effect that adds an amount to a counter row per event, creating the
 /// row at that amount when it is missing: `INSERT … ON CONFLICT (key) DO

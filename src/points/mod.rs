@@ -9,8 +9,12 @@ mod event;
 
 pub use event::{InvalidMessage, MAX_ORDER_ID_CHARS, PaymentSucceeded};
 
+use serde::Serialize;
+
 use crate::broker::Topology;
-use crate::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction};
+use crate::handler::{
+    Handler, HandlerError, Invalid, Migration, OutboxMessage, Tally, Transaction,
+};
 use crate::store::apply_tally;
 
 /// Exchange producers publish payment events to.
@@ -25,6 +29,8 @@ pub const DEAD_LETTER_EXCHANGE: &str = "points.dlx";
 pub const DEAD_LETTER_QUEUE: &str = "points.payment-succeeded.dlq";
 /// The consumer group of the points worker.
 pub const CONSUMER_GROUP: &str = "points-consumer-group";
+/// The routing key of `points.credited`.
+pub const CREDITED_ROUTING_KEY: &str = "points.credited";
 
 /// The exchanges and queues of the points worker (DESIGN.md, topology).
 pub fn topology() -> Topology {
@@ -51,6 +57,16 @@ pub const POINTS: Tally<PaymentSucceeded> = Tally {
 
 fn credit(event: &PaymentSucceeded) -> (&str, i64) {
     (&event.order_id, event.points)
+}
+
+impl Points {
+    /// The same effect, announcing each credit as a `points.credited`
+    /// message to `exchange` through the outbox.
+    pub fn announcing(self, exchange: impl Into<String>) -> Announcing {
+        Announcing {
+            exchange: exchange.into(),
+        }
+    }
 }
 
 impl Handler for Points {
@@ -82,5 +98,69 @@ impl Handler for Points {
 
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
         Some(POINTS)
+    }
+}
+
+/// The points handler that also sends `points.credited` for every credit
+/// it applies, through the outbox: in the transaction that credits the
+/// points, so it leaves if and only if they were credited, once per event.
+#[derive(Debug, Clone)]
+pub struct Announcing {
+    exchange: String,
+}
+
+/// The body of `points.credited`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PointsCredited {
+    /// The payment event that earned them: a receiver's deduplication key
+    /// (as is the message's idempotency key).
+    pub source_event_id: String,
+    /// The order credited.
+    pub order_id: String,
+    /// How many points.
+    pub points: i64,
+}
+
+impl Handler for Announcing {
+    type Event = PaymentSucceeded;
+
+    const NAME: &'static str = Points::NAME;
+    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
+    const SENDS_MESSAGES: bool = true;
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        &event.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+    ) -> Result<(), HandlerError> {
+        Points.apply(tx, events).await
+    }
+
+    fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
+        Points.tally()
+    }
+
+    fn outgoing(&self, event: &PaymentSucceeded) -> Vec<OutboxMessage> {
+        let credited = PointsCredited {
+            source_event_id: event.event_id.clone(),
+            order_id: event.order_id.clone(),
+            points: event.points,
+        };
+        // A struct of strings and an integer always serializes.
+        let body = serde_json::to_vec(&credited).unwrap_or_default();
+        vec![OutboxMessage::json(
+            &self.exchange,
+            CREDITED_ROUTING_KEY,
+            body,
+        )]
     }
 }

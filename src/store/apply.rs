@@ -5,6 +5,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
 use crate::handler::{FailureKind, Handler, HandlerError, Tally, Transaction};
@@ -73,6 +74,9 @@ pub struct Applier<H: Handler> {
     /// The handler's tally and the one statement that claims and applies
     /// it, when the handler has one.
     tally: Option<(Tally<H::Event>, String)>,
+    /// The same statement writing the outbox rows of the events too, when
+    /// the handler has a tally and sends messages.
+    tally_and_send: Option<String>,
     /// The claim of the general path.
     claim: String,
 }
@@ -105,10 +109,15 @@ impl<H: Handler> Applier<H> {
             }
             None => None,
         };
+        let tally_and_send = tally
+            .as_ref()
+            .filter(|_| H::SENDS_MESSAGES)
+            .map(|(tally, _)| claim::claim_tally_and_send_statement(tally));
         Ok(Self {
             store,
             handler,
             tally,
+            tally_and_send,
             claim: claim::claim_statement(),
         })
     }
@@ -129,7 +138,9 @@ impl<H: Handler> Applier<H> {
     /// copies of an event, the first in `events` is the one applied. Returns
     /// the events that went in. On error nothing is applied: the records
     /// roll back with the effect. A panic on the way (in the handler, or in
-    /// idem) is a failure of the message, as any other.
+    /// idem) is a failure of the message, as any other. The messages the
+    /// events that went in send ([`Handler::outgoing`]) are written to the
+    /// outbox in the same transaction.
     pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
         caught::future(self.attempt(events))
             .await
@@ -154,11 +165,20 @@ impl<H: Handler> Applier<H> {
 
         if let Some((tally, statement)) = &self.tally {
             let (keys, amounts) = tally.entries(&distinct);
+            // Only the rows of events that go in are written: the statement
+            // joins them to its claim.
+            let sent = Rows::of(handler, group, &distinct);
+            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                vec![&ids, &group, &keys, &amounts];
+            let statement = match &self.tally_and_send {
+                Some(sending) if !sent.is_empty() => {
+                    params.extend(sent.params());
+                    sending
+                }
+                _ => statement,
+            };
             let statement = client.prepare_cached(statement).await.map_err(database)?;
-            let rows = client
-                .query(&statement, &[&ids, &group, &keys, &amounts])
-                .await
-                .map_err(database)?;
+            let rows = client.query(&statement, &params).await.map_err(database)?;
             return claimed(&ids, &rows).map_err(database);
         }
 
@@ -179,6 +199,16 @@ impl<H: Handler> Applier<H> {
                 .apply(&tx, &fresh)
                 .await
                 .map_err(|error| self.handler_failure(error))?;
+            let sent = Rows::of(handler, group, &fresh);
+            if !sent.is_empty() {
+                let statement = tx
+                    .prepare_cached(&outbox::insert_statement())
+                    .await
+                    .map_err(database)?;
+                tx.execute(&statement, &sent.params())
+                    .await
+                    .map_err(database)?;
+            }
         }
         // Also proves the transaction alive: a handler that swallowed an
         // error left it aborted, and COMMIT would roll back without a word.

@@ -35,11 +35,22 @@ pub(super) fn claim_statement() -> String {
 /// identifiers (checked when the statement is built for a worker). Public
 /// for tools that measure it (`idem bench --pgbench`).
 pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
+    claim_tally_then(tally, "")
+}
+
+/// [`claim_and_tally_statement`], and the outbox rows of the events that
+/// went in: `$5`…`$10` as [`super::outbox::Rows`].
+pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>) -> String {
+    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(5)))
+}
+
+/// The claim and tally statement with `steps` (each ending in `, `) added.
+fn claim_tally_then<E>(tally: &Tally<E>, steps: &str) -> String {
     let Tally {
         table, key, amount, ..
     } = tally;
     format!(
-        "WITH {CLAIMED}, {cleared}, \
+        "WITH {CLAIMED}, {cleared}, {steps}\
          tallied AS (\
             INSERT INTO {table} ({key}, {amount}) \
             SELECT batch.tally_key, sum(batch.tally_amount)::bigint \

@@ -26,6 +26,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(1, "0001_consume_record_and_points.sql"),
     migration!(2, "0002_failure_ledger.sql"),
     migration!(3, "0003_handler_migrations.sql"),
+    migration!(4, "0004_outbox.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -199,6 +200,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 3);
+        assert_eq!(latest(MIGRATIONS), 4);
     }
 }

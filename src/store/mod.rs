@@ -8,6 +8,7 @@ mod claim;
 mod failure;
 mod ledger;
 pub mod migrate;
+pub mod outbox;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

@@ -139,6 +139,10 @@ pub struct WorkerConfig {
     /// How often to log a summary of what was done (and a last one with
     /// the totals at the end); zero: only at the end.
     pub summary_interval: Duration,
+    /// Whether to run a relay beside the consumer when the handler sends
+    /// messages ([`Handler::SENDS_MESSAGES`]); off when `idem relay` runs
+    /// apart.
+    pub relay: bool,
 }
 
 impl WorkerConfig {
@@ -180,6 +184,7 @@ impl WorkerConfig {
             startup_timeout: Self::DEFAULT_STARTUP_TIMEOUT,
             http_addr: None,
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
+            relay: true,
         };
         config.with_mode(Mode::Batch)
     }
@@ -314,7 +319,21 @@ impl<H: Handler> Worker<H> {
             max_hold_backoff: Duration::from_secs(5),
             topology: config.topology.clone(),
         });
+        let relay = (H::SENDS_MESSAGES && config.relay)
+            .then(|| start_relay(&config))
+            .transpose()?;
         let result = reconnecting(&config, &processor, &shutdown).await;
+        if let Some(relay) = relay {
+            // Stopped once the consumer has drained (or failed): what the
+            // last batches wrote goes out now if the relay is quick, or
+            // with the next relay to run.
+            relay.stop.cancel();
+            match relay.task.await {
+                Ok(Ok(report)) => crate::relay::log_report(&report),
+                Ok(Err(error)) => warn!(%error, "the relay stopped"),
+                Err(error) => warn!(%error, "the relay failed"),
+            }
+        }
         summary.abort();
         if let Some(endpoints) = endpoints {
             endpoints.abort();
@@ -340,6 +359,27 @@ impl<H: Handler> Worker<H> {
         );
         result
     }
+}
+
+/// A relay running beside the consumer, and what stops it.
+struct RelayTask {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<Result<crate::relay::RelayReport, crate::relay::RelayError>>,
+}
+
+/// Starts a relay on a pool of its own (one connection: it holds one
+/// transaction at a time), until its `stop` fires.
+fn start_relay(config: &WorkerConfig) -> Result<RelayTask, WorkerError> {
+    let pool = DatabaseConfig {
+        pool_size: 1,
+        ..config.database.clone()
+    }
+    .pool()?;
+    let relay = crate::relay::RelayConfig::new(config.amqp.clone());
+    let stop = CancellationToken::new();
+    let token = stop.clone();
+    let task = tokio::spawn(async move { crate::relay::run(&pool, &relay, &token).await });
+    Ok(RelayTask { stop, task })
 }
 
 /// Connects, consumes, and after each lost connection connects again, until

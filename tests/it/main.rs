@@ -35,6 +35,7 @@ mod idempotency;
 mod lab;
 mod migrations;
 mod observe;
+mod outbox;
 mod proxy;
 mod publishing;
 mod retries;

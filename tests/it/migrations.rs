@@ -81,7 +81,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
         Err(error @ ReadyError::NotMigrated { .. }) => {
             let line = error.to_string();
             assert!(
-                line.contains("migration 2 of idem, this idem needs 3")
+                line.contains("migration 2 of idem, this idem needs 4")
                     && line.contains("run `idem migrate` first"),
                 "{line}"
             );
@@ -92,7 +92,11 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
     assert_eq!(
         applied,
-        vec!["0003_handler_migrations.sql", "points/0001_user_points.sql"]
+        vec![
+            "0003_handler_migrations.sql",
+            "0004_outbox.sql",
+            "points/0001_user_points.sql"
+        ]
     );
     assert_eq!(
         migrate::run::<Points>(&old.pool, Some(&old.name)).await?,

@@ -108,6 +108,7 @@ const SUBCOMMANDS: &[&[&str]] = &[
         "1",
     ],
     &["requeue", "--dry-run"],
+    &["relay", "--until-empty"],
     &["dlq", "summary"],
     &["demo"],
     &[

@@ -20,6 +20,7 @@ use idem::commands::status::StatusConfig;
 use idem::duration;
 use idem::generate::LoadSpec;
 use idem::points::{self, PaymentSucceeded};
+use idem::relay::RelayConfig;
 use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 use idem::telemetry::LogFormat;
@@ -69,6 +70,9 @@ pub(crate) enum Command {
     Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
     Bench(BenchArgs),
+    /// Publish what the outbox holds (with confirms), until SIGINT/SIGTERM
+    /// or, with --until-empty, until nothing is due.
+    Relay(RelayArgs),
     /// Run the deduplication strategies a team might choose side by side,
     /// under the same faults, and show what each does to the effect.
     Lab(LabArgs),
@@ -287,6 +291,14 @@ pub(crate) struct WorkerArgs {
         default_value_t = Wait(WorkerConfig::DEFAULT_SUMMARY_INTERVAL)
     )]
     pub(crate) summary_interval: Wait,
+    /// Send a `points.credited` message for every credit, through the
+    /// outbox, to this exchange (`points.events`, say; its consumers declare
+    /// it and bind their queues) [default: send nothing].
+    #[arg(long, env = vars::CREDITS_EXCHANGE)]
+    pub(crate) credits_exchange: Option<String>,
+    /// Do not relay the outbox from this worker (an `idem relay` does).
+    #[arg(long, env = vars::NO_RELAY)]
+    pub(crate) no_relay: bool,
     #[command(flatten)]
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
@@ -299,6 +311,36 @@ pub(crate) struct WorkerArgs {
     pub(crate) group: GroupArgs,
     #[command(flatten)]
     pub(crate) wait: WaitArgs,
+}
+
+/// `idem relay`.
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    /// Stop once nothing in the outbox is due, instead of waiting for more.
+    #[arg(long)]
+    pub(crate) until_empty: bool,
+    /// Most messages published per transaction.
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(i64).range(1..=10_000))]
+    pub(crate) batch_size: i64,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+impl RelayArgs {
+    /// The relay's settings, and its database (one connection).
+    pub(crate) fn config(&self) -> (RelayConfig, DatabaseConfig) {
+        let relay = RelayConfig {
+            batch_size: self.batch_size,
+            patience: self.wait.startup_timeout.0,
+            until_empty: self.until_empty,
+            ..RelayConfig::new(self.amqp.config())
+        };
+        (relay, self.database.config(1))
+    }
 }
 
 /// `idem publish`: exactly one of --event-id, --file, --count.
@@ -822,6 +864,7 @@ impl WorkerArgs {
             startup_timeout: self.wait.startup_timeout.0,
             http_addr: self.http_addr,
             summary_interval: self.summary_interval.0,
+            relay: !self.no_relay,
             ..defaults
         })
     }

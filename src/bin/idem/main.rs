@@ -18,7 +18,8 @@ use idem::commands::dlq::{self, Printed};
 use idem::commands::{bench, demo, lab, publish, status};
 use idem::points::Points;
 use idem::progress::Progress;
-use idem::store::migrate;
+use idem::relay;
+use idem::store::{ReadyError, Store, migrate};
 use idem::telemetry::{self, LogFormat};
 use idem::worker::Worker;
 
@@ -99,7 +100,37 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             }
         }
         Command::Worker(args) => {
-            Worker::new(args.config()?, Points).run(shutdown).await?;
+            let config = args.config()?;
+            if let Some(exchange) = &args.credits_exchange {
+                let handler = Points.announcing(exchange.as_str());
+                Worker::new(config, handler).run(shutdown).await?;
+            } else {
+                Worker::new(config, Points).run(shutdown).await?;
+            }
+        }
+        Command::Relay(args) => {
+            let (config, database) = args.config();
+            let pool = database.pool()?;
+            // The outbox is idem's: any handler's history will do.
+            match Store::new(pool.clone(), "")
+                .wait_until_ready::<Points>(config.patience, &shutdown)
+                .await
+            {
+                Err(ReadyError::Interrupted) => return Ok(ExitCode::SUCCESS),
+                ready => ready.with_context(|| format!("relaying from {}", database.describe()))?,
+            }
+            let report = relay::run(&pool, &config, &shutdown).await?;
+            relay::log_report(&report);
+            println!("relayed: {} sent, {} refused", report.sent, report.refused);
+            if config.until_empty {
+                // What is left was refused and waits for its next attempt.
+                let client = pool.get().await.context("counting what is left")?;
+                let (left, _) = idem::store::outbox::backlog(&client).await?;
+                if left > 0 {
+                    println!("left in the outbox: {left} not sent (see the log for why)");
+                    return Ok(ExitCode::FAILURE);
+                }
+            }
         }
         Command::Publish(args) => {
             let (config, source) = args.config()?;

@@ -1,0 +1,298 @@
+//! The relay: publishes what the outbox holds, at least once each.
+//!
+//! One transaction per batch: take the due unsent rows oldest first, locked
+//! (`FOR UPDATE SKIP LOCKED`, so that relays running at once share the work
+//! instead of sending the same rows), publish them with publisher confirms
+//! and `mandatory`, then mark the confirmed ones sent and the refused ones
+//! due again later, and commit. Killed before the commit, the rows are
+//! unlocked unsent and go again under the same `message_id`: a receiver
+//! that deduplicates on it applies each once. It runs inside a worker whose
+//! handler sends messages, and alone as `idem relay`.
+
+use std::time::Duration;
+
+use backon::BackoffBuilder;
+use deadpool_postgres::Pool;
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::broker::{
+    AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Outgoing, Reconnects, SessionError,
+    close, connect_with_retry, settle,
+};
+use crate::store::StoreError;
+use crate::store::outbox::{self, Unsent};
+
+/// The header a receiver finds the idempotency key in (besides the AMQP
+/// `message_id` property).
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
+/// What a relay needs to know.
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    /// The broker.
+    pub amqp: AmqpConfig,
+    /// Most messages published per transaction.
+    pub batch_size: i64,
+    /// How long to wait before looking again when nothing is due.
+    pub idle_wait: Duration,
+    /// How long to keep trying the broker without getting anything done.
+    pub patience: Duration,
+    /// Return once nothing is due instead of waiting for more.
+    pub until_empty: bool,
+}
+
+impl RelayConfig {
+    /// Messages per transaction, by default.
+    pub const DEFAULT_BATCH_SIZE: i64 = 200;
+    /// The wait when nothing is due, by default.
+    pub const DEFAULT_IDLE_WAIT: Duration = Duration::from_millis(200);
+    /// The longest a refused message waits before it is tried again.
+    pub const MAX_REFUSED_WAIT: Duration = Duration::from_secs(300);
+
+    /// A relay to `amqp` with idem's defaults, running until stopped.
+    pub fn new(amqp: AmqpConfig) -> Self {
+        Self {
+            amqp,
+            batch_size: Self::DEFAULT_BATCH_SIZE,
+            idle_wait: Self::DEFAULT_IDLE_WAIT,
+            patience: Duration::from_secs(24 * 3600),
+            until_empty: false,
+        }
+    }
+}
+
+/// What a relay did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RelayReport {
+    /// Messages confirmed and marked sent.
+    pub sent: u64,
+    /// Publishes the broker refused (nacked or returned); those messages
+    /// stay unsent and are tried again later.
+    pub refused: u64,
+}
+
+/// Why a relay stopped other than by being asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The broker refused us or stayed unreachable.
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The broker ended every session without anything getting done.
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+/// How one batch ended.
+enum Batch {
+    /// Nothing was due.
+    Idle,
+    /// Published and marked.
+    Done,
+    /// The broker closed the channel over a message it will not take (its
+    /// exchange is missing, say): that message is marked refused, those
+    /// confirmed before it sent, and the rest go again on a new channel.
+    ChannelRefused,
+    /// The broker connection failed: nothing of the batch is marked.
+    Lost(lapin::Error),
+}
+
+/// Relays until `shutdown` fires (or, with `until_empty`, until nothing is
+/// due). A database that fails is waited for; a broker that fails is
+/// reconnected to.
+pub async fn run(
+    pool: &Pool,
+    config: &RelayConfig,
+    shutdown: &CancellationToken,
+) -> Result<RelayReport, RelayError> {
+    let mut report = RelayReport::default();
+    let mut reconnects = Reconnects::new(config.patience, "relaying the outbox");
+    let database_waits = || crate::backoff::forever(Duration::from_secs(5)).build();
+    let mut database_pause = database_waits();
+    loop {
+        let connection =
+            match connect_with_retry(&config.amqp, "idem relay", config.patience, shutdown).await {
+                Ok(connection) => connection,
+                Err(ConnectError::Interrupted) => return Ok(report),
+                Err(error) => return Err(error.into()),
+            };
+        let _watch = ConnectionWatch::start(&connection, "relaying the outbox");
+        let lost = match ConfirmChannel::open(&connection).await {
+            Ok(mut channel) => loop {
+                if shutdown.is_cancelled() {
+                    close(&connection).await;
+                    return Ok(report);
+                }
+                let sent_before = report.sent;
+                match batch(pool, &channel, config, &mut report).await {
+                    Ok(Batch::Done) => database_pause = database_waits(),
+                    Ok(Batch::ChannelRefused) => match ConfirmChannel::open(&connection).await {
+                        Ok(fresh) => channel = fresh,
+                        Err(error) => break (error, true),
+                    },
+                    Ok(Batch::Idle) => {
+                        database_pause = database_waits();
+                        if config.until_empty {
+                            close(&connection).await;
+                            return Ok(report);
+                        }
+                        tokio::select! {
+                            () = tokio::time::sleep(config.idle_wait) => {}
+                            () = shutdown.cancelled() => {}
+                        }
+                    }
+                    Ok(Batch::Lost(error)) => break (error, report.sent > sent_before),
+                    Err(error) => {
+                        let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
+                        warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
+                        tokio::select! {
+                            () = tokio::time::sleep(wait) => {}
+                            () = shutdown.cancelled() => {}
+                        }
+                    }
+                }
+            },
+            Err(error) => (error, false),
+        };
+        close(&connection).await;
+        let (error, progressed) = lost;
+        reconnects.after(&error, progressed, shutdown).await?;
+        if shutdown.is_cancelled() {
+            return Ok(report);
+        }
+    }
+}
+
+/// One transaction: take what is due, publish it, mark it.
+async fn batch(
+    pool: &Pool,
+    channel: &ConfirmChannel,
+    config: &RelayConfig,
+    report: &mut RelayReport,
+) -> Result<Batch, StoreError> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    let due = outbox::take(&tx, config.batch_size).await?;
+    if due.is_empty() {
+        tx.commit().await?;
+        return Ok(Batch::Idle);
+    }
+    // All sent before any confirm is awaited: one round trip per batch.
+    let mut confirms = Vec::with_capacity(due.len());
+    for message in &due {
+        match channel.send(&outgoing(message)).await {
+            Ok(confirm) => confirms.push(confirm),
+            // Dropping the transaction rolls it back: all of it goes again.
+            Err(error) => return Ok(Batch::Lost(error)),
+        }
+    }
+    let mut sent = Vec::with_capacity(due.len());
+    let (mut refused, mut reasons, mut waits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut channel_refused = false;
+    for (message, confirm) in due.iter().zip(confirms) {
+        let refusal = match settle(confirm).await {
+            Ok(Ok(())) => {
+                sent.push(message.id);
+                continue;
+            }
+            Ok(Err(refusal)) => refusal.to_string(),
+            Err(error) => match crate::broker::refusal(&error) {
+                // The first message the closed channel failed is the one
+                // it closed over; the ones after it never had a chance.
+                Some(reason) => {
+                    channel_refused = true;
+                    reason
+                }
+                None => return Ok(Batch::Lost(error)),
+            },
+        };
+        let wait = refused_wait(message.attempts);
+        warn!(
+            message_id = %message.message_id,
+            exchange = %message.exchange,
+            routing_key = %message.routing_key,
+            attempts = message.attempts + 1,
+            %refusal,
+            "the broker refused an outgoing message: it stays in the outbox, tried again in {}s",
+            wait.as_secs()
+        );
+        refused.push(message.id);
+        reasons.push(refusal);
+        waits.push(wait);
+        if channel_refused {
+            break;
+        }
+    }
+    outbox::mark_sent(&tx, &sent).await?;
+    if !refused.is_empty() {
+        outbox::mark_refused(&tx, &refused, &reasons, &waits).await?;
+    }
+    // Failing here, the batch was published but not marked: it goes again,
+    // under the same message ids.
+    tx.commit().await?;
+    report.sent += sent.len() as u64;
+    report.refused += refused.len() as u64;
+    Ok(if channel_refused {
+        Batch::ChannelRefused
+    } else {
+        Batch::Done
+    })
+}
+
+/// The message as published: persistent, with its idempotency key as the
+/// `message_id` and in an [`IDEMPOTENCY_KEY`] header.
+fn outgoing(message: &Unsent) -> Outgoing {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        IDEMPOTENCY_KEY.into(),
+        AMQPValue::LongString(message.message_id.as_str().into()),
+    );
+    let mut properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_app_id("idem".into())
+        .with_message_id(message.message_id.as_str().into())
+        .with_headers(headers);
+    if let Some(content_type) = &message.content_type {
+        properties = properties.with_content_type(content_type.as_str().into());
+    }
+    Outgoing {
+        exchange: message.exchange.clone(),
+        routing_key: message.routing_key.clone(),
+        body: message.body.clone(),
+        properties,
+    }
+}
+
+/// How long a message refused `attempts` times before waits: 1 s, doubling,
+/// at most [`RelayConfig::MAX_REFUSED_WAIT`].
+fn refused_wait(attempts: i32) -> Duration {
+    let doublings = u32::try_from(attempts.clamp(0, 16)).unwrap_or(16);
+    (Duration::from_secs(1) * 2u32.pow(doublings)).min(RelayConfig::MAX_REFUSED_WAIT)
+}
+
+/// Logs what a relay did, once it stopped.
+pub fn log_report(report: &RelayReport) {
+    info!(
+        sent = report.sent,
+        refused = report.refused,
+        "relay stopped: sent {}, refused {}",
+        report.sent,
+        report.refused
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_message_waits_longer_each_time_up_to_five_minutes() {
+        assert_eq!(refused_wait(0), Duration::from_secs(1));
+        assert_eq!(refused_wait(1), Duration::from_secs(2));
+        assert_eq!(refused_wait(5), Duration::from_secs(32));
+        assert_eq!(refused_wait(9), Duration::from_secs(300));
+        assert_eq!(refused_wait(i32::MAX), Duration::from_secs(300));
+    }
+}

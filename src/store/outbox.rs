@@ -1,0 +1,188 @@
+//! The outbox's SQL: the rows a transaction writes for the messages its
+//! events send on, and what a relay reads and marks.
+
+use std::time::Duration;
+
+use deadpool_postgres::GenericClient;
+
+use crate::handler::{Handler, message_id};
+
+/// The outbox rows of some events, column by column (what `unnest` takes):
+/// `$1` the event ids they belong to, then message ids, exchanges, routing
+/// keys, content types and bodies.
+#[derive(Debug, Default)]
+pub(super) struct Rows {
+    event_ids: Vec<String>,
+    message_ids: Vec<String>,
+    exchanges: Vec<String>,
+    routing_keys: Vec<String>,
+    content_types: Vec<Option<String>>,
+    bodies: Vec<Vec<u8>>,
+}
+
+impl Rows {
+    /// The messages `handler` sends for each of `events`, in `group`.
+    pub(super) fn of<H: Handler>(handler: &H, group: &str, events: &[&H::Event]) -> Self {
+        let mut rows = Self::default();
+        if !H::SENDS_MESSAGES {
+            return rows;
+        }
+        for event in events {
+            let event_id = handler.event_id(event);
+            for (index, message) in handler.outgoing(event).into_iter().enumerate() {
+                rows.event_ids.push(event_id.to_owned());
+                rows.message_ids
+                    .push(message_id(group, event_id, index).to_string());
+                rows.exchanges.push(message.exchange);
+                rows.routing_keys.push(message.routing_key);
+                rows.content_types.push(message.content_type);
+                rows.bodies.push(message.body);
+            }
+        }
+        rows
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.message_ids.is_empty()
+    }
+
+    /// The parameters of [`SENT`] (and of [`INSERT`] from `$2` on).
+    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
+        [
+            &self.event_ids,
+            &self.message_ids,
+            &self.exchanges,
+            &self.routing_keys,
+            &self.content_types,
+            &self.bodies,
+        ]
+    }
+}
+
+/// The rows of `$n`…`$n+5` (see [`Rows`]), in the order given.
+fn unnest(first: usize) -> String {
+    let [a, b, c, d, e, f] = std::array::from_fn(|i| first + i);
+    format!(
+        "unnest(${a}::varchar[], ${b}::text[], ${c}::text[], ${d}::text[], ${e}::text[], \
+         ${f}::bytea[]) WITH ORDINALITY \
+         AS outgoing(event_id, message_id, exchange, routing_key, content_type, body, place)"
+    )
+}
+
+const COLUMNS: &str = "INSERT INTO mq_outbox (message_id, exchange, routing_key, content_type, body) \
+     SELECT outgoing.message_id::uuid, outgoing.exchange, outgoing.routing_key, \
+     outgoing.content_type, outgoing.body";
+
+/// The outbox rows of the events that went in, as a step of a claim
+/// statement whose `claimed` step yields them; the rows' parameters start
+/// at `$first`.
+pub(super) fn sent_step(first: usize) -> String {
+    format!(
+        "sent AS ({COLUMNS} FROM {} JOIN claimed USING (event_id) ORDER BY outgoing.place)",
+        unnest(first)
+    )
+}
+
+/// The outbox rows of events known to have gone in, inside their
+/// transaction: `$1`…`$6` as [`Rows::params`].
+pub(super) fn insert_statement() -> String {
+    format!("{COLUMNS} FROM {} ORDER BY outgoing.place", unnest(1))
+}
+
+/// A message the relay took from the outbox, locked until its transaction ends.
+#[derive(Debug, Clone)]
+pub struct Unsent {
+    /// The row.
+    pub id: i64,
+    /// The idempotency key.
+    pub message_id: String,
+    /// Where it goes.
+    pub exchange: String,
+    /// Its routing key.
+    pub routing_key: String,
+    /// Its content type.
+    pub content_type: Option<String>,
+    /// Its body.
+    pub body: Vec<u8>,
+    /// Publishes refused so far.
+    pub attempts: i32,
+}
+
+/// Up to `limit` unsent messages that are due, oldest first, locked for the
+/// caller's transaction; rows another relay holds are skipped.
+pub async fn take(
+    client: &impl GenericClient,
+    limit: i64,
+) -> Result<Vec<Unsent>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT id, message_id::text, exchange, routing_key, content_type, body, attempts \
+             FROM mq_outbox WHERE sent_at IS NULL AND next_attempt_at <= now() \
+             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+            &[&limit],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Unsent {
+                id: row.try_get(0)?,
+                message_id: row.try_get(1)?,
+                exchange: row.try_get(2)?,
+                routing_key: row.try_get(3)?,
+                content_type: row.try_get(4)?,
+                body: row.try_get(5)?,
+                attempts: row.try_get(6)?,
+            })
+        })
+        .collect()
+}
+
+/// Marks `ids` sent.
+pub async fn mark_sent(
+    client: &impl GenericClient,
+    ids: &[i64],
+) -> Result<(), tokio_postgres::Error> {
+    client
+        .execute(
+            "UPDATE mq_outbox SET sent_at = now() WHERE id = ANY($1)",
+            &[&ids],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Counts a refused publish of each of `ids`, with its reason, and puts the
+/// next attempt off by `after`, index for index.
+pub async fn mark_refused(
+    client: &impl GenericClient,
+    ids: &[i64],
+    reasons: &[String],
+    after: &[Duration],
+) -> Result<(), tokio_postgres::Error> {
+    let millis: Vec<i64> = after
+        .iter()
+        .map(|wait| i64::try_from(wait.as_millis()).unwrap_or(i64::MAX))
+        .collect();
+    client
+        .execute(
+            "UPDATE mq_outbox SET attempts = attempts + 1, last_error = refused.reason, \
+                 next_attempt_at = now() + refused.wait * interval '1 millisecond' \
+             FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS refused(id, reason, wait) \
+             WHERE mq_outbox.id = refused.id",
+            &[&ids, &reasons, &millis],
+        )
+        .await?;
+    Ok(())
+}
+
+/// How many messages wait to be sent, and how many of those were refused.
+pub async fn backlog(client: &impl GenericClient) -> Result<(i64, i64), tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE attempts > 0) \
+             FROM mq_outbox WHERE sent_at IS NULL",
+            &[],
+        )
+        .await?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
