@@ -15,6 +15,8 @@ use backon::BackoffBuilder;
 use deadpool_postgres::Pool;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -64,6 +66,18 @@ impl RelayConfig {
     }
 }
 
+/// A relay's counters, shared with whoever shows them (the worker's
+/// `/metrics`).
+#[derive(Debug, Clone, Default)]
+pub struct RelayCounters {
+    /// Messages confirmed and marked sent.
+    pub sent: Counter,
+    /// Publishes the broker refused.
+    pub refused: Counter,
+    /// Messages not sent yet, as last counted (when nothing was due).
+    pub unsent: Gauge,
+}
+
 /// What a relay did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RelayReport {
@@ -92,8 +106,9 @@ enum Batch {
     /// Published and marked.
     Done,
     /// The broker closed the channel over a message it will not take (its
-    /// exchange is missing, say): that message is marked refused, those
-    /// confirmed before it sent, and the rest go again on a new channel.
+    /// exchange is missing, say): the messages to that exchange are marked
+    /// refused, those confirmed before sent, and the rest go again on a new
+    /// channel.
     ChannelRefused,
     /// The broker connection failed: nothing of the batch is marked.
     Lost(lapin::Error),
@@ -105,8 +120,11 @@ enum Batch {
 pub async fn run(
     pool: &Pool,
     config: &RelayConfig,
+    counters: &RelayCounters,
     shutdown: &CancellationToken,
 ) -> Result<RelayReport, RelayError> {
+    // Counted at most this often: a count on the unsent rows' index.
+    let mut counted: Option<tokio::time::Instant> = None;
     let mut report = RelayReport::default();
     let mut reconnects = Reconnects::new(config.patience, "relaying the outbox");
     let database_waits = || crate::backoff::forever(Duration::from_secs(5)).build();
@@ -126,7 +144,7 @@ pub async fn run(
                     return Ok(report);
                 }
                 let sent_before = report.sent;
-                match batch(pool, &channel, config, &mut report).await {
+                match batch(pool, &channel, config, counters, &mut report).await {
                     Ok(Batch::Done) => database_pause = database_waits(),
                     Ok(Batch::ChannelRefused) => match ConfirmChannel::open(&connection).await {
                         Ok(fresh) => channel = fresh,
@@ -134,6 +152,10 @@ pub async fn run(
                     },
                     Ok(Batch::Idle) => {
                         database_pause = database_waits();
+                        if counted.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                            counted = Some(tokio::time::Instant::now());
+                            count_unsent(pool, counters).await;
+                        }
                         if config.until_empty {
                             close(&connection).await;
                             return Ok(report);
@@ -170,6 +192,7 @@ async fn batch(
     pool: &Pool,
     channel: &ConfirmChannel,
     config: &RelayConfig,
+    counters: &RelayCounters,
     report: &mut RelayReport,
 ) -> Result<Batch, StoreError> {
     let mut client = pool.get().await?;
@@ -180,17 +203,26 @@ async fn batch(
         return Ok(Batch::Idle);
     }
     // All sent before any confirm is awaited: one round trip per batch.
+    // A send that fails ends the sending: the channel is gone, and the
+    // confirms of what went before say why.
     let mut confirms = Vec::with_capacity(due.len());
+    let mut unsendable = None;
     for message in &due {
         match channel.send(&outgoing(message)).await {
             Ok(confirm) => confirms.push(confirm),
-            // Dropping the transaction rolls it back: all of it goes again.
-            Err(error) => return Ok(Batch::Lost(error)),
+            Err(error) => {
+                unsendable = Some(error);
+                break;
+            }
         }
     }
     let mut sent = Vec::with_capacity(due.len());
     let (mut refused, mut reasons, mut waits) = (Vec::new(), Vec::new(), Vec::new());
-    let mut channel_refused = false;
+    // Why the broker closed the channel, when it did so over a message it
+    // will not take (`NOT_FOUND - no exchange 'x'`): every message of the
+    // batch not confirmed by then fails with it, but only those to the
+    // exchange it names are to blame; the others go again.
+    let mut closed_over = unsendable.as_ref().and_then(crate::broker::refusal);
     for (message, confirm) in due.iter().zip(confirms) {
         let refusal = match settle(confirm).await {
             Ok(Ok(())) => {
@@ -199,12 +231,15 @@ async fn batch(
             }
             Ok(Err(refusal)) => refusal.to_string(),
             Err(error) => match crate::broker::refusal(&error) {
-                // The first message the closed channel failed is the one
-                // it closed over; the ones after it never had a chance.
                 Some(reason) => {
-                    channel_refused = true;
+                    let blamed = reason.contains(&format!("'{}'", message.exchange));
+                    closed_over = Some(reason.clone());
+                    if !blamed {
+                        continue;
+                    }
                     reason
                 }
+                // Dropping the transaction rolls it back: all of it goes again.
                 None => return Ok(Batch::Lost(error)),
             },
         };
@@ -221,10 +256,13 @@ async fn batch(
         refused.push(message.id);
         reasons.push(refusal);
         waits.push(wait);
-        if channel_refused {
-            break;
-        }
     }
+    // A channel that closed for another reason: what it confirmed is sent,
+    // the rest goes again.
+    let lost = match (&closed_over, unsendable) {
+        (None, Some(error)) => Some(error),
+        _ => None,
+    };
     outbox::mark_sent(&tx, &sent).await?;
     if !refused.is_empty() {
         outbox::mark_refused(&tx, &refused, &reasons, &waits).await?;
@@ -234,11 +272,23 @@ async fn batch(
     tx.commit().await?;
     report.sent += sent.len() as u64;
     report.refused += refused.len() as u64;
-    Ok(if channel_refused {
-        Batch::ChannelRefused
-    } else {
-        Batch::Done
+    counters.sent.inc_by(sent.len() as u64);
+    counters.refused.inc_by(refused.len() as u64);
+    Ok(match lost {
+        Some(error) => Batch::Lost(error),
+        None if closed_over.is_some() => Batch::ChannelRefused,
+        None => Batch::Done,
     })
+}
+
+/// Sets the unsent gauge; a database that does not answer leaves it as it was.
+async fn count_unsent(pool: &Pool, counters: &RelayCounters) {
+    let Ok(client) = pool.get().await else {
+        return;
+    };
+    if let Ok((unsent, _)) = outbox::backlog(&client).await {
+        counters.unsent.set(unsent);
+    }
 }
 
 /// The message as published: persistent, with its idempotency key as the

@@ -17,6 +17,9 @@
 //! It reads `AMQP_URL`, `DATABASE_URL`, `IDEM_SCHEMA`, `IDEM_MODE` and
 //! `IDEM_RETRY_DELAYS`, as `idem` does; everything else is idem's defaults.
 
+#[path = "../common/mod.rs"]
+mod common;
+
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
@@ -24,15 +27,13 @@ use anyhow::Context;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::{AmqpConfig, Topology};
+use idem::broker::Topology;
 use idem::commands::dlq::{self, Action, DlqConfig, Filter, Printed, View};
 use idem::duration;
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
-use idem::secret::SecretUrl;
-use idem::store::{DatabaseConfig, migrate};
-use idem::telemetry::{self, LogFormat};
+use idem::store::migrate;
 use idem::vars;
-use idem::worker::{Mode, Worker, WorkerConfig};
+use idem::worker::{Worker, WorkerConfig};
 
 /// A reservation of `quantity` units of `sku`.
 #[derive(Debug, Deserialize)]
@@ -116,33 +117,14 @@ fn topology() -> Topology {
 
 const CONSUMER_GROUP: &str = "stock-reservations";
 
-fn setting(name: &str, default: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| default.to_owned())
-}
-
 fn config() -> anyhow::Result<WorkerConfig> {
-    let amqp = AmqpConfig::new(SecretUrl::new(setting(
-        vars::AMQP_URL,
-        "amqp://guest:guest@127.0.0.1:5672/%2f",
-    )));
-    let mut database = DatabaseConfig::new(SecretUrl::new(setting(
-        vars::DATABASE_URL,
-        "postgres://postgres@127.0.0.1:5432/postgres",
-    )));
-    if let Ok(schema) = std::env::var(vars::SCHEMA) {
-        database = database.with_schema(schema);
-    }
-    let mode: Mode = setting(vars::MODE, Mode::Batch.as_flag())
-        .parse()
-        .map_err(anyhow::Error::msg)
-        .context(vars::MODE)?;
     let mut topology = topology();
     if let Ok(delays) = std::env::var(vars::RETRY_DELAYS) {
         topology.retry_delays = duration::parse_list(&delays, Topology::MAX_RETRY_DELAY)
             .map_err(anyhow::Error::msg)
             .context(vars::RETRY_DELAYS)?;
     }
-    Ok(WorkerConfig::new(amqp, database, topology, CONSUMER_GROUP).with_mode(mode))
+    common::worker_config(topology, CONSUMER_GROUP)
 }
 
 async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -184,39 +166,7 @@ async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    telemetry::init("info,lapin=off", LogFormat::Text);
-    let command = std::env::args().nth(1).unwrap_or_default();
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(runtime) => runtime,
-        Err(error) => {
-            eprintln!("stock: {error}");
-            return ExitCode::FAILURE;
-        }
-    };
-    runtime.block_on(async {
-        let shutdown = CancellationToken::new();
-        let cancel = shutdown.clone();
-        tokio::spawn(async move {
-            let Ok(mut terminate) =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            else {
-                return;
-            };
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = terminate.recv() => {}
-            }
-            cancel.cancel();
-        });
-        match run(&command, shutdown).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("stock: {error:#}");
-                ExitCode::FAILURE
-            }
-        }
+    common::main("stock", |command, shutdown| async move {
+        run(&command, shutdown).await
     })
 }

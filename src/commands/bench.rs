@@ -19,8 +19,8 @@ use anyhow::{Context, bail, ensure};
 use deadpool_postgres::Pool;
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions,
-    QueueDeleteOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
@@ -68,6 +68,9 @@ pub struct BenchConfig {
     pub rounds: usize,
     /// Also run pgbench with per-message mode's transaction at 16 clients.
     pub pgbench: bool,
+    /// Also run batch mode announcing every credit through the outbox, and
+    /// count a run done once every message is sent too.
+    pub outbox: bool,
     /// Which of ceiling, per-message and batch to run.
     pub modes: Vec<Mode>,
     /// The idem binary to run as the worker.
@@ -141,6 +144,12 @@ const PER_MESSAGE: &str = "2 per-message";
 const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 const BATCH: &str = "3 batch";
 const BATCH_BASELINE: &str = "3 batch, baseline build";
+const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
+
+/// Where the bench's credits go (the outbox run's).
+fn credited_queue(topology: &Topology) -> String {
+    format!("{}.credited", topology.queue)
+}
 
 /// A mode's key without the digit that orders the printout.
 fn label(key: &str) -> &str {
@@ -266,12 +275,28 @@ impl Bench<'_> {
                         let floor = bench.prefill(prefill).await?;
                         bench.publish(&bodies).await?;
                         settle_down().await;
-                        let measured = bench.worker(binary, &args, &load, floor).await?;
+                        let measured = bench.worker(binary, &args, &load, floor, false).await?;
                         let key = over(key, prefill);
                         eprintln!("  {:<30} {:>9.0} msgs/s", label(&key), measured.rate);
                         report.push(key, measured);
                     }
                 }
+            }
+            if config.outbox && config.modes.contains(&Mode::Batch) {
+                bench.reset().await?;
+                bench.publish(&bodies).await?;
+                settle_down().await;
+                let mut args = bench.batch_args();
+                args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
+                let measured = bench
+                    .worker(&config.worker_binary, &args, &load, 0, true)
+                    .await?;
+                eprintln!(
+                    "  {:<30} {:>9.0} msgs/s",
+                    label(BATCH_OUTBOX),
+                    measured.rate
+                );
+                report.push(BATCH_OUTBOX.to_owned(), measured);
             }
             if config.pgbench {
                 bench.reset().await?;
@@ -315,12 +340,32 @@ impl<'a> Bench<'a> {
         })
     }
 
-    /// An empty schema and an empty topology.
+    /// An empty schema and an empty topology, with a queue that takes the
+    /// credits the outbox sends (to the topology's exchange).
     async fn reset(&self) -> anyhow::Result<()> {
         self.remove().await?;
         migrate::run::<Points>(&self.pool, Some(&self.schema)).await?;
         let connection = connect(&self.config.amqp, "idem bench").await?;
         self.topology.declare(&connection).await?;
+        let channel = connection.create_channel().await?;
+        let credited = credited_queue(&self.topology);
+        channel
+            .queue_declare(
+                credited.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                credited.as_str().into(),
+                self.topology.exchange.as_str().into(),
+                points::CREDITED_ROUTING_KEY.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel.close(200, "OK".into()).await?;
         connection.close(200, "OK".into()).await?;
         Ok(())
     }
@@ -375,7 +420,11 @@ impl<'a> Bench<'a> {
             .await?;
         let connection = connect(&config.amqp, "idem bench").await?;
         let channel = connection.create_channel().await?;
-        for queue in topology.queues() {
+        for queue in topology
+            .queues()
+            .into_iter()
+            .chain([credited_queue(topology)])
+        {
             channel
                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                 .await?;
@@ -552,6 +601,7 @@ impl<'a> Bench<'a> {
         args: &[String],
         load: &[PaymentSucceeded],
         floor: i64,
+        outbox: bool,
     ) -> anyhow::Result<Measurement> {
         let client = self.pool.get().await?;
         let wal_before = wal(&client).await;
@@ -597,7 +647,7 @@ impl<'a> Bench<'a> {
                     )
                     .await?
                     .try_get(0)?;
-                if recorded >= distinct {
+                if recorded >= distinct && (!outbox || self.unsent(&client).await? == 0) {
                     break;
                 }
             }
@@ -628,15 +678,30 @@ impl<'a> Bench<'a> {
         ensure!(status.success(), "the worker exited with {status}");
         let fpi_after = settled_fpi(&client).await;
 
+        // With the outbox, until the last message was sent.
         let span: f64 = client
             .query_one(
-                "SELECT extract(epoch FROM max(consumed_at) - min(consumed_at))::float8 \
+                "SELECT extract(epoch FROM greatest(max(consumed_at), \
+                     (SELECT max(sent_at) FROM mq_outbox)) - min(consumed_at))::float8 \
                  FROM mq_consume_record WHERE id > $1",
                 &[&floor],
             )
             .await?
             .try_get(0)?;
         self.verify(load, floor).await?;
+        if outbox {
+            let sent: i64 = client
+                .query_one(
+                    "SELECT count(*) FROM mq_outbox WHERE sent_at IS NOT NULL",
+                    &[],
+                )
+                .await?
+                .try_get(0)?;
+            ensure!(
+                sent == distinct,
+                "{sent} credits sent for {distinct} events"
+            );
+        }
         let messages = load.len() as f64;
         let wal_bytes = match (&wal_before, lsn_after) {
             (Some(before), Some(after)) => client
@@ -662,6 +727,14 @@ impl<'a> Bench<'a> {
             wal_bytes_per_message: wal_bytes.map(|bytes| bytes / messages),
             wal_fpi_per_message: wal_fpi.map(|fpi| fpi / messages),
         })
+    }
+
+    /// Outbox messages not sent yet.
+    async fn unsent(&self, client: &deadpool_postgres::Object) -> anyhow::Result<i64> {
+        Ok(client
+            .query_one("SELECT count(*) FROM mq_outbox WHERE sent_at IS NULL", &[])
+            .await?
+            .try_get(0)?)
     }
 
     /// Every order at its exact total, one record per distinct event (above
@@ -1028,6 +1101,9 @@ impl fmt::Display for BenchReport {
         }
         if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
             writeln!(f, "batch / per-message: {times:.1} ×")?;
+        }
+        if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
+            writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
         }
         for (mode, _) in &self.rounds {
             for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {

@@ -320,7 +320,7 @@ impl<H: Handler> Worker<H> {
             topology: config.topology.clone(),
         });
         let relay = (H::SENDS_MESSAGES && config.relay)
-            .then(|| start_relay(&config))
+            .then(|| start_relay(&config, stats.relay().clone()))
             .transpose()?;
         let result = reconnecting(&config, &processor, &shutdown).await;
         if let Some(relay) = relay {
@@ -369,7 +369,10 @@ struct RelayTask {
 
 /// Starts a relay on a pool of its own (one connection: it holds one
 /// transaction at a time), until its `stop` fires.
-fn start_relay(config: &WorkerConfig) -> Result<RelayTask, WorkerError> {
+fn start_relay(
+    config: &WorkerConfig,
+    counters: crate::relay::RelayCounters,
+) -> Result<RelayTask, WorkerError> {
     let pool = DatabaseConfig {
         pool_size: 1,
         ..config.database.clone()
@@ -378,7 +381,8 @@ fn start_relay(config: &WorkerConfig) -> Result<RelayTask, WorkerError> {
     let relay = crate::relay::RelayConfig::new(config.amqp.clone());
     let stop = CancellationToken::new();
     let token = stop.clone();
-    let task = tokio::spawn(async move { crate::relay::run(&pool, &relay, &token).await });
+    let task =
+        tokio::spawn(async move { crate::relay::run(&pool, &relay, &counters, &token).await });
     Ok(RelayTask { stop, task })
 }
 

@@ -59,6 +59,7 @@ pub struct Stats {
     consuming: Gauge,
     database_up: Gauge,
     pool: Family<PoolState, Gauge>,
+    relay: crate::relay::RelayCounters,
 }
 
 /// A copy of the counters at one moment.
@@ -82,6 +83,10 @@ pub struct Snapshot {
     pub sessions: u64,
     /// Broker connections reopened after a loss.
     pub reconnects: u64,
+    /// Outbox messages this worker's relay sent (confirmed).
+    pub outbox_sent: u64,
+    /// Outbox publishes the broker refused.
+    pub outbox_refused: u64,
 }
 
 impl Snapshot {
@@ -132,6 +137,7 @@ impl Stats {
             consuming: Gauge::default(),
             database_up: Gauge::default(),
             pool: Family::default(),
+            relay: crate::relay::RelayCounters::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -208,6 +214,22 @@ impl Stats {
             "PostgreSQL connections of the pool, by state (idle, in_use) and its limit (max)",
             stats.pool.clone(),
         );
+        registry.register(
+            "outbox_sent_messages",
+            "Outbox messages the relay published and the broker confirmed",
+            stats.relay.sent.clone(),
+        );
+        registry.register(
+            "outbox_refused_publishes",
+            "Outbox publishes the broker refused (nacked, returned, no exchange): \
+             the message stays in the outbox and is tried again later",
+            stats.relay.refused.clone(),
+        );
+        registry.register(
+            "outbox_unsent_messages",
+            "Outbox messages not sent yet, as last counted",
+            stats.relay.unsent.clone(),
+        );
         Self { registry, ..stats }
     }
 
@@ -231,7 +253,14 @@ impl Stats {
             infrastructure_retries: self.infrastructure_retries.get(),
             sessions: self.sessions.get(),
             reconnects: self.reconnects.get(),
+            outbox_sent: self.relay.sent.get(),
+            outbox_refused: self.relay.refused.get(),
         }
+    }
+
+    /// The counters a relay beside the consumer bumps.
+    pub(crate) fn relay(&self) -> &crate::relay::RelayCounters {
+        &self.relay
     }
 
     pub(crate) fn received(&self, n: u64) {

@@ -1,5 +1,6 @@
 //! `idem bench` over a table that already holds consume records: the run
-//! is told apart from the prefilled rows, checked, and its WAL reported.
+//! is told apart from the prefilled rows, checked, and its WAL reported;
+//! and a run through the outbox, checked for every credit sent.
 
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -
             "--modes",
             "batch",
         ])
-        .args(["--uuid-ids", "--prefill", "0,5000"])
+        .args(["--uuid-ids", "--prefill", "0,5000", "--outbox"])
         .output();
     let output = tokio::time::timeout(patient(Duration::from_secs(120)), bench)
         .await
@@ -56,5 +57,13 @@ async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -
         stdout.contains("batch, 5000 records before / on an empty table: "),
         "{stdout}"
     );
+    // And the run through the outbox, checked for a credit sent per event.
+    assert!(
+        stdout
+            .lines()
+            .any(|line| line.starts_with("batch, outbox on (applied and sent) ")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("batch, outbox on / off: "), "{stdout}");
     Ok(())
 }

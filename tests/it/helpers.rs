@@ -1302,3 +1302,42 @@ pub fn sample(page: &str, name: &str, labels: &[&str]) -> Option<f64> {
             .then(|| value.parse().ok())?
     })
 }
+
+/// Example `name`'s binary, which `cargo test` builds beside this test binary
+/// (`cargo test --test it` does not: a binary older than its sources would
+/// test old code, so it is refused).
+pub fn example_binary(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let target = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .context("no target directory above the test binary")?;
+    let binary = target.join("examples").join(name);
+    let rebuild = "`cargo test` builds it, as does `cargo build --examples`";
+    let built = std::fs::metadata(&binary)
+        .and_then(|meta| meta.modified())
+        .with_context(|| format!("{} is missing: {rebuild}", binary.display()))?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let sources = newest(&root.join("src"))?.max(newest(&root.join("examples").join(name))?);
+    anyhow::ensure!(
+        built >= sources,
+        "{} is older than its sources: {rebuild}",
+        binary.display()
+    );
+    Ok(binary)
+}
+
+/// When the newest file under `dir` was last changed.
+fn newest(dir: &std::path::Path) -> anyhow::Result<std::time::SystemTime> {
+    let mut latest = std::time::SystemTime::UNIX_EPOCH;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let changed = if entry.file_type()?.is_dir() {
+            newest(&entry.path())?
+        } else {
+            entry.metadata()?.modified()?
+        };
+        latest = latest.max(changed);
+    }
+    Ok(latest)
+}

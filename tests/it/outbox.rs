@@ -15,8 +15,8 @@ use idem::relay::IDEMPOTENCY_KEY;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DeadLetter, GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, database_url, idem_command,
-    load, wait_for,
+    DeadLetter, GROUP, RunningWorker, TestEnv, Vhost, WorkerProcess, amqp_url, database_url,
+    example_binary, idem_command, load, wait_for,
 };
 
 /// A queue of the test's own that receives every `points.credited` sent to
@@ -283,5 +283,328 @@ async fn a_worker_and_a_relay_killed_mid_load_lose_no_credit_and_keep_every_key(
         assert_eq!(credited, &want[id]);
     }
     assert_eq!(outbox_rows(&env).await?, want.len() as i64);
+    Ok(())
+}
+
+/// [`Announcing`], and a second message per event to an exchange that does
+/// not exist.
+struct AlsoNowhere {
+    announcing: Announcing,
+    nowhere: String,
+}
+
+impl Handler for AlsoNowhere {
+    type Event = PaymentSucceeded;
+    const NAME: &'static str = Points::NAME;
+    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
+    const SENDS_MESSAGES: bool = true;
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        self.announcing.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        self.announcing.event_id(event)
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+    ) -> Result<(), HandlerError> {
+        self.announcing.apply(tx, events).await
+    }
+
+    fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
+        self.announcing.tally()
+    }
+
+    fn outgoing(&self, event: &PaymentSucceeded) -> Vec<idem::handler::OutboxMessage> {
+        let mut messages = self.announcing.outgoing(event);
+        messages.push(idem::handler::OutboxMessage::json(
+            &self.nowhere,
+            "nowhere",
+            b"{}".to_vec(),
+        ));
+        messages
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_stays_in_the_outbox_is_counted_and_holds_up_no_other()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let events = load(&env, 8, 0.0, 3);
+    let nowhere = format!("{}.nowhere", env.topology.exchange);
+    let handler = AlsoNowhere {
+        announcing: Points.announcing(env.topology.exchange.as_str()),
+        nowhere: nowhere.clone(),
+    };
+    let worker = RunningWorker::start_with(env.worker_config(Mode::Batch), handler);
+    env.publish_events(&events).await?;
+    // No queue is bound for the credits yet: returned. The others' exchange
+    // does not exist: the broker closes the channel over each.
+    let n = events.len() as u64;
+    wait_for(
+        "every message refused once",
+        Duration::from_secs(30),
+        || async { Ok(worker.stats.snapshot().outbox_refused >= 2 * n) },
+    )
+    .await?;
+    assert_eq!(env.records(GROUP).await?, n as i64);
+    assert_eq!(unsent(&env).await?, 2 * n as i64);
+    assert_eq!(
+        outbox_count(&env, "last_error LIKE '%NO_ROUTE%'").await?,
+        n as i64
+    );
+    assert_eq!(
+        outbox_count(
+            &env,
+            &format!("exchange = '{nowhere}' AND last_error LIKE '%NOT_FOUND%'")
+        )
+        .await?,
+        n as i64
+    );
+    assert!(
+        worker
+            .stats
+            .encode()
+            .contains("idem_outbox_refused_publishes_total"),
+        "{}",
+        worker.stats.encode()
+    );
+
+    // Once a queue is bound, the credits go out at their next attempt; the
+    // messages to nowhere stay, and hold up none of them. (A credit sent on
+    // a channel that then closed over one of those goes again: it may
+    // arrive twice, under the same key.)
+    let queue = credited_queue(&env).await?;
+    wait_for("the credits sent", Duration::from_secs(30), || async {
+        Ok(unsent(&env).await? == n as i64)
+    })
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!(stats.outbox_sent, n);
+    assert_eq!(
+        outbox_count(&env, &format!("exchange = '{nowhere}' AND sent_at IS NULL")).await?,
+        n as i64
+    );
+    let received = by_source(&env.peek(&queue).await?)?;
+    assert_eq!(received.len(), events.len());
+    Ok(())
+}
+
+/// `examples/notifications`, pointed at `vhost` and `env`'s schema.
+fn notifications(env: &TestEnv, vhost: &Vhost) -> anyhow::Result<tokio::process::Command> {
+    let mut command = tokio::process::Command::new(example_binary("notifications")?);
+    command
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env(idem::vars::AMQP_URL, vhost.amqp_url())
+        .env(idem::vars::DATABASE_URL, database_url())
+        .env(idem::vars::SCHEMA, &env.schema)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    Ok(command)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_killed()
+-> anyhow::Result<()> {
+    // Both services on a vhost of their own, under their real names: the
+    // points worker announcing to `points.events`, the notifications
+    // example consuming from it as its own consumer group.
+    let env = TestEnv::new().await?;
+    let vhost = Vhost::add(".*", ".*", ".*")?;
+    let amqp = idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(vhost.amqp_url()));
+    let migrated = notifications(&env, &vhost)?.arg("migrate").output().await?;
+    anyhow::ensure!(
+        migrated.status.success(),
+        "notifications migrate: {}",
+        String::from_utf8_lossy(&migrated.stderr)
+    );
+    let downstream = || -> anyhow::Result<WorkerProcess> {
+        let mut command = notifications(&env, &vhost)?;
+        command.arg("worker");
+        WorkerProcess::start(command)
+    };
+    let points_topology = idem::broker::Topology {
+        retry_delays: crate::helpers::TEST_RETRY_DELAYS.to_vec(),
+        ..idem::points::topology()
+    };
+    let upstream = || {
+        let mut command = idem_command(&env, &vhost.amqp_url(), &database_url());
+        command.envs(idem::vars::topology(&points_topology)).args([
+            "worker",
+            "--credits-exchange",
+            "points.events",
+        ]);
+        WorkerProcess::start(command)
+    };
+    let mut notifier = downstream()?;
+    // Its queue bound before the first credit goes out.
+    wait_for(
+        "the notifications queue",
+        Duration::from_secs(30),
+        || async {
+            Ok(
+                crate::helpers::ready(&amqp, "notifications.points-credited")
+                    .await
+                    .is_ok(),
+            )
+        },
+    )
+    .await?;
+    let mut crediting = upstream()?;
+    wait_for(
+        "the points worker consuming",
+        Duration::from_secs(30),
+        || async {
+            let connection = idem::broker::connect(&amqp, "idem test").await?;
+            let channel = connection.create_channel().await?;
+            let counts = idem::broker::queue_counts(&channel, &points_topology.queue).await;
+            connection.close(200, "OK".into()).await?;
+            Ok(counts.is_ok_and(|(_, consumers)| consumers == 1))
+        },
+    )
+    .await?;
+    let events = load(&env, 4000, 0.1, 40);
+    let bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+    crate::helpers::publish(&amqp, &points_topology, &bodies).await?;
+
+    let queued = || async {
+        let client = env.pool.get().await?;
+        let row = client
+            .query_one("SELECT count(*) FROM notification", &[])
+            .await?;
+        anyhow::Ok(row.get::<_, i64>(0))
+    };
+    wait_for("some notifications", Duration::from_secs(60), || async {
+        Ok(queued().await? >= 400)
+    })
+    .await?;
+    crediting.kill().await?;
+    notifier.kill().await?;
+    let crediting = upstream()?;
+    let notifier = downstream()?;
+    let want = expected(&events);
+    wait_for(
+        "every credit queued downstream",
+        Duration::from_secs(120),
+        || async { Ok(queued().await? == want.len() as i64 && unsent(&env).await? == 0) },
+    )
+    .await?;
+    crediting.stop().await?;
+    notifier.stop().await?;
+
+    // Each credit once downstream, as credited upstream, and nothing
+    // dead-lettered on the way.
+    let client = env.pool.get().await?;
+    let rows = client
+        .query(
+            "SELECT source_event_id::text, order_id::text, points FROM notification",
+            &[],
+        )
+        .await?;
+    let queued: BTreeMap<String, PointsCredited> = rows
+        .iter()
+        .map(|row| {
+            let credited = PointsCredited {
+                source_event_id: row.get(0),
+                order_id: row.get(1),
+                points: row.get(2),
+            };
+            (credited.source_event_id.clone(), credited)
+        })
+        .collect();
+    assert_eq!(queued, want);
+    let by_order = client
+        .query(
+            "SELECT n.order_id::text, sum(n.points)::bigint, min(p.points) \
+             FROM notification n JOIN user_points p USING (order_id) GROUP BY n.order_id",
+            &[],
+        )
+        .await?;
+    let orders: BTreeSet<&String> = events.iter().map(|event| &event.order_id).collect();
+    assert_eq!(by_order.len(), orders.len());
+    for row in &by_order {
+        assert_eq!(
+            row.get::<_, i64>(1),
+            row.get::<_, i64>(2),
+            "order {}",
+            row.get::<_, String>(0)
+        );
+    }
+    for queue in [
+        "points.payment-succeeded.dlq",
+        "notifications.points-credited.dlq",
+    ] {
+        assert_eq!(crate::helpers::ready(&amqp, queue).await?, 0, "{queue}");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let queue = credited_queue(&env).await?;
+    let events = load(&env, 3000, 0.1, 30);
+    let want = expected(&events);
+    // The outbox filled by a worker that leaves it to relays.
+    let config = idem::worker::WorkerConfig {
+        relay: false,
+        ..env.worker_config(Mode::Batch)
+    };
+    let worker =
+        RunningWorker::start_with(config, Points.announcing(env.topology.exchange.as_str()));
+    env.publish_events(&events).await?;
+    wait_for("every event applied", Duration::from_secs(60), || async {
+        Ok(env.records(GROUP).await? == want.len() as i64)
+    })
+    .await?;
+    worker.stop().await?;
+    assert_eq!(unsent(&env).await?, want.len() as i64);
+
+    // Then one relay, through a proxy that cuts its connection three times.
+    let broker = crate::proxy::Proxy::start(crate::helpers::amqp_address()).await?;
+    let relay = idem::relay::RelayConfig {
+        batch_size: 50,
+        ..idem::relay::RelayConfig::new(idem::broker::AmqpConfig::new(
+            idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
+        ))
+    };
+    let counters = idem::relay::RelayCounters::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relaying = {
+        let (pool, relay, counters, stop) = (
+            env.pool.clone(),
+            relay.clone(),
+            counters.clone(),
+            stop.clone(),
+        );
+        tokio::spawn(async move { idem::relay::run(&pool, &relay, &counters, &stop).await })
+    };
+    let step = want.len() as u64 / 5;
+    for cut in 1..=3 {
+        wait_for("the relay at work", Duration::from_secs(60), || async {
+            Ok(counters.sent.get() >= step * cut)
+        })
+        .await?;
+        // Its connection dropped mid-batch: it must reconnect to go on.
+        broker.cut();
+    }
+    wait_for("every message relayed", Duration::from_secs(90), || async {
+        Ok(unsent(&env).await? == 0)
+    })
+    .await?;
+    stop.cancel();
+    let report = relaying.await??;
+    assert_eq!(report.sent, want.len() as u64);
+    assert_eq!(report.refused, 0);
+
+    let received = by_source(&env.peek(&queue).await?)?;
+    let keys: BTreeSet<&String> = received.keys().collect();
+    assert_eq!(keys, want.keys().collect::<BTreeSet<_>>());
     Ok(())
 }

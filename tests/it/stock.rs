@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, ensure};
+use anyhow::ensure;
 use deadpool_postgres::Pool;
 
 use idem::broker::{AmqpConfig, Topology, connect};
@@ -16,8 +16,8 @@ use idem::vars;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, database_url, drop_schema, peek, publish,
-    ready, unique_name, wait_for,
+    TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, database_url, drop_schema, example_binary,
+    peek, publish, ready, unique_name, wait_for,
 };
 use crate::proxy::Proxy;
 
@@ -37,45 +37,6 @@ fn topology() -> Topology {
 }
 
 const GROUP: &str = "stock-reservations";
-
-/// The example's binary, which `cargo test` builds beside this test binary
-/// (`cargo test --test it` does not: a binary older than its sources would
-/// test old code, so it is refused).
-fn stock_binary() -> anyhow::Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let target = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .context("no target directory above the test binary")?;
-    let binary = target.join("examples").join("stock");
-    let rebuild = "`cargo test` builds it, as does `cargo build --examples`";
-    let built = std::fs::metadata(&binary)
-        .and_then(|meta| meta.modified())
-        .with_context(|| format!("{} is missing: {rebuild}", binary.display()))?;
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let sources = newest(&root.join("src"))?.max(newest(&root.join("examples/stock"))?);
-    ensure!(
-        built >= sources,
-        "{} is older than its sources: {rebuild}",
-        binary.display()
-    );
-    Ok(binary)
-}
-
-/// When the newest file under `dir` was last changed.
-fn newest(dir: &std::path::Path) -> anyhow::Result<std::time::SystemTime> {
-    let mut latest = std::time::SystemTime::UNIX_EPOCH;
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let changed = if entry.file_type()?.is_dir() {
-            newest(&entry.path())?
-        } else {
-            entry.metadata()?.modified()?
-        };
-        latest = latest.max(changed);
-    }
-    Ok(latest)
-}
 
 /// A reservation as a producer sends it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,7 +85,7 @@ impl StockEnv {
             .pool()?;
         let env = Self {
             name,
-            binary: stock_binary()?,
+            binary: example_binary("stock")?,
             vhost,
             amqp,
             pool,

@@ -585,6 +585,10 @@ pub(crate) struct BenchArgs {
     /// Also run pgbench with per-message mode's transaction at 16 clients.
     #[arg(long)]
     pub(crate) pgbench: bool,
+    /// Also run batch mode announcing every credit through the outbox (its
+    /// relay in the worker), counted done once every message is sent too.
+    #[arg(long)]
+    pub(crate) outbox: bool,
     /// What to measure.
     #[arg(
         long,
@@ -949,6 +953,7 @@ impl BenchArgs {
             per_message_in_flight: self.per_message_in_flight,
             rounds: self.rounds.max(1),
             pgbench: self.pgbench,
+            outbox: self.outbox,
             modes: self.modes.clone(),
             worker_binary,
             baseline_binary: self.baseline.clone(),

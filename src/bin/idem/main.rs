@@ -119,7 +119,8 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
                 Err(ReadyError::Interrupted) => return Ok(ExitCode::SUCCESS),
                 ready => ready.with_context(|| format!("relaying from {}", database.describe()))?,
             }
-            let report = relay::run(&pool, &config, &shutdown).await?;
+            let counters = relay::RelayCounters::default();
+            let report = relay::run(&pool, &config, &counters, &shutdown).await?;
             relay::log_report(&report);
             println!("relayed: {} sent, {} refused", report.sent, report.refused);
             if config.until_empty {
