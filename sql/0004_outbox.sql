@@ -16,6 +16,8 @@ CREATE TABLE mq_outbox (
     exchange        TEXT         NOT NULL,
     routing_key     TEXT         NOT NULL,
     content_type    TEXT,
+    -- Headers of the handler's own, as a JSON object of strings.
+    headers         JSONB        NOT NULL DEFAULT '{}',
     body            BYTEA        NOT NULL,
     created_at      TIMESTAMPTZ  NOT NULL DEFAULT now(),
     -- Refused (nacked, returned) or failed publishes so far, the last

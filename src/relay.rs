@@ -22,7 +22,7 @@ use tracing::{info, warn};
 
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Outgoing, Reconnects, SessionError,
-    close, connect_with_retry, settle,
+    close, close_channel, connect_with_retry, settle,
 };
 use crate::store::StoreError;
 use crate::store::outbox::{self, Unsent};
@@ -44,11 +44,18 @@ pub struct RelayConfig {
     pub patience: Duration,
     /// Return once nothing is due instead of waiting for more.
     pub until_empty: bool,
+    /// Batches in flight at once, each on a database connection and a
+    /// channel of its own (the pool needs as many connections).
+    pub lanes: usize,
 }
 
 impl RelayConfig {
     /// Messages per transaction, by default.
-    pub const DEFAULT_BATCH_SIZE: i64 = 200;
+    pub const DEFAULT_BATCH_SIZE: i64 = 1000;
+    /// Batches in flight, by default: one keeps each destination's
+    /// messages in id order (more lanes overlap their confirms, and may
+    /// not).
+    pub const DEFAULT_LANES: usize = 1;
     /// The wait when nothing is due, by default.
     pub const DEFAULT_IDLE_WAIT: Duration = Duration::from_millis(200);
     /// The longest a refused message waits before it is tried again.
@@ -62,6 +69,7 @@ impl RelayConfig {
             idle_wait: Self::DEFAULT_IDLE_WAIT,
             patience: Duration::from_secs(24 * 3600),
             until_empty: false,
+            lanes: Self::DEFAULT_LANES,
         }
     }
 }
@@ -123,66 +131,100 @@ pub async fn run(
     counters: &RelayCounters,
     shutdown: &CancellationToken,
 ) -> Result<RelayReport, RelayError> {
-    // Counted at most this often: a count on the unsent rows' index.
-    let mut counted: Option<tokio::time::Instant> = None;
-    let mut report = RelayReport::default();
+    let base = (counters.sent.get(), counters.refused.get());
+    let report = || RelayReport {
+        sent: counters.sent.get() - base.0,
+        refused: counters.refused.get() - base.1,
+    };
     let mut reconnects = Reconnects::new(config.patience, "relaying the outbox");
-    let database_waits = || crate::backoff::forever(Duration::from_secs(5)).build();
-    let mut database_pause = database_waits();
     loop {
         let connection =
             match connect_with_retry(&config.amqp, "idem relay", config.patience, shutdown).await {
                 Ok(connection) => connection,
-                Err(ConnectError::Interrupted) => return Ok(report),
+                Err(ConnectError::Interrupted) => return Ok(report()),
                 Err(error) => return Err(error.into()),
             };
         let _watch = ConnectionWatch::start(&connection, "relaying the outbox");
-        let lost = match ConfirmChannel::open(&connection).await {
-            Ok(mut channel) => loop {
-                if shutdown.is_cancelled() {
-                    close(&connection).await;
-                    return Ok(report);
-                }
-                let sent_before = report.sent;
-                match batch(pool, &channel, config, counters, &mut report).await {
-                    Ok(Batch::Done) => database_pause = database_waits(),
-                    Ok(Batch::ChannelRefused) => match ConfirmChannel::open(&connection).await {
-                        Ok(fresh) => channel = fresh,
-                        Err(error) => break (error, true),
-                    },
-                    Ok(Batch::Idle) => {
-                        database_pause = database_waits();
-                        if counted.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
-                            counted = Some(tokio::time::Instant::now());
-                            count_unsent(pool, counters).await;
-                        }
-                        if config.until_empty {
-                            close(&connection).await;
-                            return Ok(report);
-                        }
-                        tokio::select! {
-                            () = tokio::time::sleep(config.idle_wait) => {}
-                            () = shutdown.cancelled() => {}
-                        }
-                    }
-                    Ok(Batch::Lost(error)) => break (error, report.sent > sent_before),
-                    Err(error) => {
-                        let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
-                        warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
-                        tokio::select! {
-                            () = tokio::time::sleep(wait) => {}
-                            () = shutdown.cancelled() => {}
-                        }
-                    }
-                }
-            },
-            Err(error) => (error, false),
-        };
+        let sent_before = counters.sent.get();
+        // Lanes overlap one batch's confirms with the next one's reads and
+        // sends; each ends on its own (shutdown, an empty outbox, or a lost
+        // connection), so that none is cut off mid-batch by another.
+        let lanes =
+            (0..config.lanes.max(1)).map(|_| lane(pool, &connection, config, counters, shutdown));
+        let lost = futures::future::join_all(lanes)
+            .await
+            .into_iter()
+            .flatten()
+            .next();
         close(&connection).await;
-        let (error, progressed) = lost;
-        reconnects.after(&error, progressed, shutdown).await?;
+        let Some(error) = lost else {
+            return Ok(report());
+        };
+        reconnects
+            .after(&error, counters.sent.get() > sent_before, shutdown)
+            .await?;
         if shutdown.is_cancelled() {
-            return Ok(report);
+            return Ok(report());
+        }
+    }
+}
+
+/// One lane of a relay: a channel of its own, a batch after another, until
+/// shutdown, an empty outbox (with `until_empty`) or a lost connection
+/// (returned). A database that fails is waited for.
+async fn lane(
+    pool: &Pool,
+    connection: &lapin::Connection,
+    config: &RelayConfig,
+    counters: &RelayCounters,
+    shutdown: &CancellationToken,
+) -> Option<lapin::Error> {
+    let mut channel = match ConfirmChannel::open(connection).await {
+        Ok(channel) => channel,
+        Err(error) => return Some(error),
+    };
+    // Counted at most this often: a count on the unsent rows' index.
+    let mut counted: Option<tokio::time::Instant> = None;
+    let database_waits = || crate::backoff::forever(Duration::from_secs(5)).build();
+    let mut database_pause = database_waits();
+    loop {
+        if shutdown.is_cancelled() {
+            // Closed before it is dropped: lapin closes a dropped channel
+            // itself, later, and fails the connection if it is closing by
+            // then.
+            close_channel(channel.channel()).await;
+            return None;
+        }
+        match batch(pool, &channel, config, counters).await {
+            Ok(Batch::Done) => database_pause = database_waits(),
+            Ok(Batch::ChannelRefused) => match ConfirmChannel::open(connection).await {
+                Ok(fresh) => channel = fresh,
+                Err(error) => return Some(error),
+            },
+            Ok(Batch::Idle) => {
+                database_pause = database_waits();
+                if counted.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                    counted = Some(tokio::time::Instant::now());
+                    count_unsent(pool, counters).await;
+                }
+                if config.until_empty {
+                    close_channel(channel.channel()).await;
+                    return None;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(config.idle_wait) => {}
+                    () = shutdown.cancelled() => {}
+                }
+            }
+            Ok(Batch::Lost(error)) => return Some(error),
+            Err(error) => {
+                let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
+                warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    () = shutdown.cancelled() => {}
+                }
+            }
         }
     }
 }
@@ -193,7 +235,6 @@ async fn batch(
     channel: &ConfirmChannel,
     config: &RelayConfig,
     counters: &RelayCounters,
-    report: &mut RelayReport,
 ) -> Result<Batch, StoreError> {
     let mut client = pool.get().await?;
     let tx = client.transaction().await?;
@@ -270,8 +311,6 @@ async fn batch(
     // Failing here, the batch was published but not marked: it goes again,
     // under the same message ids.
     tx.commit().await?;
-    report.sent += sent.len() as u64;
-    report.refused += refused.len() as u64;
     counters.sent.inc_by(sent.len() as u64);
     counters.refused.inc_by(refused.len() as u64);
     Ok(match lost {
@@ -295,6 +334,12 @@ async fn count_unsent(pool: &Pool, counters: &RelayCounters) {
 /// `message_id` and in an [`IDEMPOTENCY_KEY`] header.
 fn outgoing(message: &Unsent) -> Outgoing {
     let mut headers = FieldTable::default();
+    for (name, value) in &message.headers {
+        headers.insert(
+            name.as_str().into(),
+            AMQPValue::LongString(value.as_str().into()),
+        );
+    }
     headers.insert(
         IDEMPOTENCY_KEY.into(),
         AMQPValue::LongString(message.message_id.as_str().into()),

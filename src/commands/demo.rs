@@ -40,6 +40,11 @@ pub struct DemoReport {
     pub consume_records: i64,
     /// Messages in the dead-letter queue.
     pub dead_letter_queue: (String, u32),
+    /// `points.credited` messages the outbox holds, and how many were sent.
+    pub outbox: (i64, i64),
+    /// Messages in the queue bound for `points.credited`, and how many
+    /// distinct idempotency keys they carry.
+    pub credited_queue: (String, usize, usize),
 }
 
 /// The sample: three orders, producer retries, and one message that breaks
@@ -70,6 +75,7 @@ fn sample() -> Vec<Vec<u8>> {
 /// the demo's own).
 pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<DemoReport> {
     let topology = points::topology().prefixed(PREFIX);
+    let credits = Credits::of(&topology);
     // The worker as `idem worker` runs it by default, but quick to give up
     // on services that are not there.
     let config = WorkerConfig {
@@ -95,6 +101,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .await
         .context("migrating the demo schema")?;
     reset_topology(&connection, &topology).await?;
+    credits.reset(&connection).await?;
     close(&connection).await;
 
     let bodies = sample();
@@ -118,12 +125,15 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         bail!("the broker did not confirm every demo message: {report:?}");
     }
 
-    let worker = Worker::new(config, Points);
+    // Every credit is announced, through the outbox, on the demo's own
+    // exchange: the worker's relay sends them once the points committed.
+    let worker = Worker::new(config, Points.announcing(credits.exchange.as_str()));
     let stats = worker.stats();
     let shutdown = CancellationToken::new();
     let running = tokio::spawn(worker.run(shutdown.clone()));
     let drained = wait_until(Duration::from_secs(30), || {
-        stats.snapshot().finished() >= messages.len() as u64
+        let done = stats.snapshot();
+        done.finished() >= messages.len() as u64 && done.outbox_sent >= done.applied
     })
     .await;
     shutdown.cancel();
@@ -150,9 +160,14 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .query_one("SELECT count(*) FROM mq_consume_record", &[])
         .await?
         .try_get(0)?;
+    let outbox: (i64, i64) = client
+        .query_one("SELECT count(*), count(sent_at) FROM mq_outbox", &[])
+        .await
+        .map(|row| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?)))??;
     let connection = connect(&amqp, "idem demo").await?;
     let channel = connection.create_channel().await?;
     let dlq = ready_messages(&channel, &topology.dead_letter_queue).await?;
+    let (credited, keys) = credits.received(&channel).await?;
     close_channel(&channel).await;
     close(&connection).await;
     Ok(DemoReport {
@@ -162,7 +177,107 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         points,
         consume_records,
         dead_letter_queue: (topology.dead_letter_queue, dlq),
+        outbox,
+        credited_queue: (credits.queue, credited, keys),
     })
+}
+
+/// Where the demo's worker announces its credits, and a queue that takes
+/// them, as a downstream service's would.
+struct Credits {
+    exchange: String,
+    queue: String,
+}
+
+impl Credits {
+    fn of(topology: &Topology) -> Self {
+        Self {
+            exchange: format!("{PREFIX}points.events"),
+            queue: format!("{}.credited", topology.queue),
+        }
+    }
+
+    /// Both anew: deleted, declared, bound.
+    async fn reset(&self, connection: &lapin::Connection) -> anyhow::Result<()> {
+        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+        use lapin::types::FieldTable;
+        let channel = connection.create_channel().await?;
+        channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await?;
+        channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await?;
+        channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                lapin::ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        channel
+            .queue_bind(
+                self.queue.as_str().into(),
+                self.exchange.as_str().into(),
+                points::CREDITED_ROUTING_KEY.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        close_channel(&channel).await;
+        Ok(())
+    }
+
+    /// The credits in the queue, and their distinct idempotency keys; read
+    /// and given back.
+    async fn received(&self, channel: &lapin::Channel) -> anyhow::Result<(usize, usize)> {
+        use lapin::options::{BasicGetOptions, BasicNackOptions};
+        let mut keys = std::collections::HashSet::new();
+        let mut count = 0;
+        let mut last = None;
+        while let Some(message) = channel
+            .basic_get(
+                self.queue.as_str().into(),
+                BasicGetOptions { no_ack: false },
+            )
+            .await?
+        {
+            count += 1;
+            if let Some(id) = message.delivery.properties.message_id() {
+                keys.insert(id.to_string());
+            }
+            last = Some(message.delivery.delivery_tag);
+        }
+        if let Some(tag) = last {
+            channel
+                .basic_nack(
+                    tag,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        Ok((count, keys.len()))
+    }
 }
 
 /// Deletes the demo's queues and exchanges, so each run starts empty.
@@ -220,6 +335,16 @@ impl fmt::Display for DemoReport {
         }
         let (queue, count) = &self.dead_letter_queue;
         writeln!(f, "  dead-letter queue    {queue}: {count} message(s)")?;
+        let (written, sent) = self.outbox;
+        writeln!(
+            f,
+            "  outbox               {written} points.credited written with the credits, {sent} sent"
+        )?;
+        let (downstream, credited, keys) = &self.credited_queue;
+        writeln!(
+            f,
+            "  downstream queue     {downstream}: {credited} message(s), {keys} idempotency key(s)"
+        )?;
         write!(
             f,
             "  look closer: idem dlq list --schema {SCHEMA} --consumer-group {CONSUMER_GROUP} --dead-letter-queue {queue}"

@@ -6,4 +6,5 @@ pub mod demo;
 pub mod dlq;
 pub mod lab;
 pub mod publish;
+pub mod reconcile;
 pub mod status;

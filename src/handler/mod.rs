@@ -129,6 +129,8 @@ pub struct OutboxMessage {
     pub routing_key: String,
     /// Its `content_type` property, if any.
     pub content_type: Option<String>,
+    /// Headers of its own (idem adds `Idempotency-Key`).
+    pub headers: std::collections::BTreeMap<String, String>,
     /// Its body.
     pub body: Vec<u8>,
 }
@@ -140,8 +142,15 @@ impl OutboxMessage {
             exchange: exchange.to_owned(),
             routing_key: routing_key.to_owned(),
             content_type: Some("application/json".to_owned()),
+            headers: std::collections::BTreeMap::new(),
             body,
         }
+    }
+
+    /// The same message with header `name` set to `value`.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
     }
 }
 

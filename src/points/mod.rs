@@ -157,10 +157,9 @@ impl Handler for Announcing {
         };
         // A struct of strings and an integer always serializes.
         let body = serde_json::to_vec(&credited).unwrap_or_default();
-        vec![OutboxMessage::json(
-            &self.exchange,
-            CREDITED_ROUTING_KEY,
-            body,
-        )]
+        vec![
+            OutboxMessage::json(&self.exchange, CREDITED_ROUTING_KEY, body)
+                .with_header("Event-Type", CREDITED_ROUTING_KEY),
+        ]
     }
 }

@@ -39,7 +39,7 @@ pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
 }
 
 /// [`claim_and_tally_statement`], and the outbox rows of the events that
-/// went in: `$5`…`$10` as [`super::outbox::Rows`].
+/// went in: `$5`…`$11` as [`super::outbox::Rows`].
 pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>) -> String {
     claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(5)))
 }

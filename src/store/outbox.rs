@@ -9,7 +9,7 @@ use crate::handler::{Handler, message_id};
 
 /// The outbox rows of some events, column by column (what `unnest` takes):
 /// `$1` the event ids they belong to, then message ids, exchanges, routing
-/// keys, content types and bodies.
+/// keys, content types, headers (JSON) and bodies.
 #[derive(Debug, Default)]
 pub(super) struct Rows {
     event_ids: Vec<String>,
@@ -17,6 +17,7 @@ pub(super) struct Rows {
     exchanges: Vec<String>,
     routing_keys: Vec<String>,
     content_types: Vec<Option<String>>,
+    headers: Vec<String>,
     bodies: Vec<Vec<u8>>,
 }
 
@@ -36,6 +37,9 @@ impl Rows {
                 rows.exchanges.push(message.exchange);
                 rows.routing_keys.push(message.routing_key);
                 rows.content_types.push(message.content_type);
+                // A map of strings always serializes.
+                rows.headers
+                    .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
                 rows.bodies.push(message.body);
             }
         }
@@ -47,31 +51,34 @@ impl Rows {
     }
 
     /// The parameters of [`SENT`] (and of [`INSERT`] from `$2` on).
-    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 6] {
+    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
         [
             &self.event_ids,
             &self.message_ids,
             &self.exchanges,
             &self.routing_keys,
             &self.content_types,
+            &self.headers,
             &self.bodies,
         ]
     }
 }
 
-/// The rows of `$n`…`$n+5` (see [`Rows`]), in the order given.
+/// The rows of `$n`…`$n+6` (see [`Rows`]), in the order given.
 fn unnest(first: usize) -> String {
-    let [a, b, c, d, e, f] = std::array::from_fn(|i| first + i);
+    let [a, b, c, d, e, f, g] = std::array::from_fn(|i| first + i);
     format!(
         "unnest(${a}::varchar[], ${b}::text[], ${c}::text[], ${d}::text[], ${e}::text[], \
-         ${f}::bytea[]) WITH ORDINALITY \
-         AS outgoing(event_id, message_id, exchange, routing_key, content_type, body, place)"
+         ${f}::text[], ${g}::bytea[]) WITH ORDINALITY \
+         AS outgoing(event_id, message_id, exchange, routing_key, content_type, headers, body, \
+         place)"
     )
 }
 
-const COLUMNS: &str = "INSERT INTO mq_outbox (message_id, exchange, routing_key, content_type, body) \
+const COLUMNS: &str = "INSERT INTO mq_outbox \
+     (message_id, exchange, routing_key, content_type, headers, body) \
      SELECT outgoing.message_id::uuid, outgoing.exchange, outgoing.routing_key, \
-     outgoing.content_type, outgoing.body";
+     outgoing.content_type, outgoing.headers::jsonb, outgoing.body";
 
 /// The outbox rows of the events that went in, as a step of a claim
 /// statement whose `claimed` step yields them; the rows' parameters start
@@ -84,7 +91,7 @@ pub(super) fn sent_step(first: usize) -> String {
 }
 
 /// The outbox rows of events known to have gone in, inside their
-/// transaction: `$1`…`$6` as [`Rows::params`].
+/// transaction: `$1`…`$7` as [`Rows::params`].
 pub(super) fn insert_statement() -> String {
     format!("{COLUMNS} FROM {} ORDER BY outgoing.place", unnest(1))
 }
@@ -102,6 +109,8 @@ pub struct Unsent {
     pub routing_key: String,
     /// Its content type.
     pub content_type: Option<String>,
+    /// Headers of the handler's own.
+    pub headers: std::collections::BTreeMap<String, String>,
     /// Its body.
     pub body: Vec<u8>,
     /// Publishes refused so far.
@@ -116,7 +125,8 @@ pub async fn take(
 ) -> Result<Vec<Unsent>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT id, message_id::text, exchange, routing_key, content_type, body, attempts \
+            "SELECT id, message_id::text, exchange, routing_key, content_type, headers::text, \
+                 body, attempts \
              FROM mq_outbox WHERE sent_at IS NULL AND next_attempt_at <= now() \
              ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
             &[&limit],
@@ -130,8 +140,10 @@ pub async fn take(
                 exchange: row.try_get(2)?,
                 routing_key: row.try_get(3)?,
                 content_type: row.try_get(4)?,
-                body: row.try_get(5)?,
-                attempts: row.try_get(6)?,
+                // Written by idem as a map of strings.
+                headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
+                body: row.try_get(6)?,
+                attempts: row.try_get(7)?,
             })
         })
         .collect()

@@ -367,18 +367,18 @@ struct RelayTask {
     task: tokio::task::JoinHandle<Result<crate::relay::RelayReport, crate::relay::RelayError>>,
 }
 
-/// Starts a relay on a pool of its own (one connection: it holds one
-/// transaction at a time), until its `stop` fires.
+/// Starts a relay on a pool of its own (a connection per lane: each holds
+/// one transaction at a time), until its `stop` fires.
 fn start_relay(
     config: &WorkerConfig,
     counters: crate::relay::RelayCounters,
 ) -> Result<RelayTask, WorkerError> {
+    let relay = crate::relay::RelayConfig::new(config.amqp.clone());
     let pool = DatabaseConfig {
-        pool_size: 1,
+        pool_size: relay.lanes,
         ..config.database.clone()
     }
     .pool()?;
-    let relay = crate::relay::RelayConfig::new(config.amqp.clone());
     let stop = CancellationToken::new();
     let token = stop.clone();
     let task =

@@ -6,22 +6,14 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::death::REPLAY_HEADER;
-use idem::commands::dlq::{self, Action, DlqConfig, Filter, Printed, Report, View};
+use idem::commands::dlq::{self, Action, DlqConfig, Printed, Report, View};
 use idem::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{GROUP, RunningWorker, TestEnv, patient, wait_for};
+use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};
 use idem::worker::Mode;
 
 fn dlq_config(env: &TestEnv) -> DlqConfig {
-    DlqConfig {
-        amqp: env.amqp.clone(),
-        database: env.database.clone(),
-        consumer_group: GROUP.into(),
-        dead_letter_queue: env.topology.dead_letter_queue.clone(),
-        filter: Filter::default(),
-        limit: None,
-        patience: patient(Duration::from_secs(5)),
-    }
+    env.dlq_config()
 }
 
 /// What `idem requeue` does: every dead letter, invalid ones too.

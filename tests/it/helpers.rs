@@ -593,6 +593,20 @@ impl TestEnv {
     pub async fn peek(&self, queue: &str) -> anyhow::Result<Vec<DeadLetter>> {
         peek(&self.amqp, queue).await
     }
+    /// The dead-letter commands' settings for this test's queue, ledger
+    /// and records, with no filter.
+    pub fn dlq_config(&self) -> idem::commands::dlq::DlqConfig {
+        idem::commands::dlq::DlqConfig {
+            amqp: self.amqp.clone(),
+            database: self.database.clone(),
+            consumer_group: GROUP.into(),
+            dead_letter_queue: self.topology.dead_letter_queue.clone(),
+            filter: idem::commands::dlq::Filter::default(),
+            limit: None,
+            patience: patient(Duration::from_secs(5)),
+        }
+    }
+
     /// Runs SQL in this test's schema.
     pub async fn sql(&self, statements: &str) -> anyhow::Result<()> {
         let client = self.pool.get().await?;

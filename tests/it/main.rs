@@ -38,6 +38,7 @@ mod observe;
 mod outbox;
 mod proxy;
 mod publishing;
+mod reconcile;
 mod retries;
 mod secrets;
 mod stock;

@@ -72,6 +72,16 @@ fn by_source(messages: &[DeadLetter]) -> anyhow::Result<BTreeMap<String, (Points
             .as_ref()
             .and_then(|headers| headers.inner().get(IDEMPOTENCY_KEY).cloned());
         assert_eq!(header, Some(AMQPValue::LongString(key.as_str().into())));
+        // The handler's own header travels too.
+        let kind = message
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|headers| headers.inner().get("Event-Type").cloned());
+        assert_eq!(
+            kind,
+            Some(AMQPValue::LongString(CREDITED_ROUTING_KEY.into()))
+        );
         let entry = credits
             .entry(credited.source_event_id.clone())
             .or_insert((credited.clone(), 0));

@@ -16,6 +16,7 @@ use idem::commands::bench::{self, BenchConfig};
 use idem::commands::dlq::{Action, DlqConfig, Filter, View};
 use idem::commands::lab::{LabConfig, Strategy};
 use idem::commands::publish::{PublishConfig, Source};
+use idem::commands::reconcile::ReconcileConfig;
 use idem::commands::status::StatusConfig;
 use idem::duration;
 use idem::generate::LoadSpec;
@@ -66,6 +67,9 @@ pub(crate) enum Command {
     Dlq(DlqArgs),
     /// A consumer group at a glance: its queues, records, ledger and dead letters.
     Status(StatusArgs),
+    /// Compare the upstream's export of the events it sent with what idem
+    /// recorded; exits 1 unless everything matches.
+    Reconcile(ReconcileArgs),
     /// Run the whole story on local services, on data of its own, and report.
     Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
@@ -313,6 +317,50 @@ pub(crate) struct WorkerArgs {
     pub(crate) wait: WaitArgs,
 }
 
+/// `idem reconcile`.
+#[derive(Debug, Args)]
+pub(crate) struct ReconcileArgs {
+    /// The upstream's events: JSON lines (one body per line) or, for a name
+    /// ending in .csv, CSV with a header whose columns are the body's fields.
+    #[arg(long)]
+    pub(crate) export: PathBuf,
+    /// Also write a report here: a JSON line per event (its status, the last
+    /// error), then one per order whose points differ.
+    #[arg(long)]
+    pub(crate) report: Option<PathBuf>,
+    /// Publish the missing events again, with confirms (safe: the worker
+    /// applies each once).
+    #[arg(long)]
+    pub(crate) republish_missing: bool,
+    /// Events compared per query.
+    #[arg(long, default_value_t = ReconcileConfig::DEFAULT_CHUNK, value_parser = clap::value_parser!(u32).range(1..=100_000).map(|n| n as usize))]
+    pub(crate) chunk: usize,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+    #[command(flatten)]
+    pub(crate) route: RouteArgs,
+}
+
+impl ReconcileArgs {
+    /// Settings of `idem reconcile`.
+    pub(crate) fn config(&self) -> Result<ReconcileConfig, SettingError> {
+        Ok(ReconcileConfig {
+            dlq: self.target.config(Filter::default(), None)?,
+            topology: Topology::new(
+                &self.route.exchange,
+                &self.route.routing_key,
+                "",
+                "",
+                &self.target.dead_letters.dead_letter_queue,
+            ),
+            export: self.export.clone(),
+            report: self.report.clone(),
+            republish_missing: self.republish_missing,
+            chunk: self.chunk,
+        })
+    }
+}
+
 /// `idem relay`.
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
@@ -322,6 +370,10 @@ pub(crate) struct RelayArgs {
     /// Most messages published per transaction.
     #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub(crate) batch_size: i64,
+    /// Batches in flight at once, each on a connection of its own; with more
+    /// than one, a destination's messages may go out of id order.
+    #[arg(long, default_value_t = RelayConfig::DEFAULT_LANES, value_parser = clap::value_parser!(u32).range(1..=64).map(|n| n as usize))]
+    pub(crate) lanes: usize,
     #[command(flatten)]
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
@@ -331,15 +383,17 @@ pub(crate) struct RelayArgs {
 }
 
 impl RelayArgs {
-    /// The relay's settings, and its database (one connection).
+    /// The relay's settings, and its database (a connection per lane).
     pub(crate) fn config(&self) -> (RelayConfig, DatabaseConfig) {
         let relay = RelayConfig {
             batch_size: self.batch_size,
             patience: self.wait.startup_timeout.0,
             until_empty: self.until_empty,
+            lanes: self.lanes,
             ..RelayConfig::new(self.amqp.config())
         };
-        (relay, self.database.config(1))
+        let database = self.database.config(relay.lanes);
+        (relay, database)
     }
 }
 

@@ -15,7 +15,7 @@ mod cli;
 
 use cli::{Cli, Command};
 use idem::commands::dlq::{self, Printed};
-use idem::commands::{bench, demo, lab, publish, status};
+use idem::commands::{bench, demo, lab, publish, reconcile, status};
 use idem::points::Points;
 use idem::progress::Progress;
 use idem::relay;
@@ -148,6 +148,14 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         Command::Dlq(args) => {
             let (config, action, view) = args.config()?;
             return dead_letters(&config, &action, view, &shutdown).await;
+        }
+        Command::Reconcile(args) => {
+            let config = args.config()?;
+            let found = reconcile::run(&config, &Points, &shutdown).await?;
+            println!("{found}");
+            if !found.matched() {
+                return Ok(ExitCode::FAILURE);
+            }
         }
         Command::Status(args) => {
             let status = status::run(&args.config()?, &Points, &shutdown).await?;
