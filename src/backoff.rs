@@ -6,6 +6,10 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use tokio::time::Instant;
 
+/// How long a long-running process (the worker, a relay) keeps trying to
+/// reconnect after its first connection: as long as it takes.
+pub const RECONNECT_PATIENCE: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Waiting for a service to come up: 200 ms to 5 s between attempts, the
 /// last one at `patience` after the first, not before (the last wait is cut
 /// to what is left).

@@ -20,6 +20,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::backoff::RECONNECT_PATIENCE;
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Outgoing, Reconnects, SessionError,
     close, close_channel, connect_with_retry, settle,
@@ -40,7 +41,9 @@ pub struct RelayConfig {
     pub batch_size: i64,
     /// How long to wait before looking again when nothing is due.
     pub idle_wait: Duration,
-    /// How long to keep trying the broker without getting anything done.
+    /// How long to keep trying to reach the broker at start; after the
+    /// first connection a lost one is retried for as long as it takes,
+    /// except with `until_empty`, which gives up after this long too.
     pub patience: Duration,
     /// Return once nothing is due instead of waiting for more.
     pub until_empty: bool,
@@ -61,13 +64,14 @@ impl RelayConfig {
     /// The longest a refused message waits before it is tried again.
     pub const MAX_REFUSED_WAIT: Duration = Duration::from_secs(300);
 
-    /// A relay to `amqp` with idem's defaults, running until stopped.
-    pub fn new(amqp: AmqpConfig) -> Self {
+    /// A relay to `amqp`, trying to reach it for `patience` at start, with
+    /// idem's defaults for the rest, running until stopped.
+    pub fn new(amqp: AmqpConfig, patience: Duration) -> Self {
         Self {
             amqp,
             batch_size: Self::DEFAULT_BATCH_SIZE,
             idle_wait: Self::DEFAULT_IDLE_WAIT,
-            patience: Duration::from_secs(24 * 3600),
+            patience,
             until_empty: false,
             lanes: Self::DEFAULT_LANES,
         }
@@ -118,7 +122,8 @@ enum Batch {
     /// refused, those confirmed before sent, and the rest go again on a new
     /// channel.
     ChannelRefused,
-    /// The broker connection failed: nothing of the batch is marked.
+    /// The broker connection failed: what it confirmed is marked sent (or
+    /// nothing, when it failed while confirming), the rest goes again.
     Lost(lapin::Error),
 }
 
@@ -136,14 +141,19 @@ pub async fn run(
         sent: counters.sent.get() - base.0,
         refused: counters.refused.get() - base.1,
     };
-    let mut reconnects = Reconnects::new(config.patience, "relaying the outbox");
+    let mut patience = config.patience;
+    let mut reconnects = Reconnects::new(patience, "relaying the outbox");
     loop {
         let connection =
-            match connect_with_retry(&config.amqp, "idem relay", config.patience, shutdown).await {
+            match connect_with_retry(&config.amqp, "idem relay", patience, shutdown).await {
                 Ok(connection) => connection,
                 Err(ConnectError::Interrupted) => return Ok(report()),
                 Err(error) => return Err(error.into()),
             };
+        if !config.until_empty && patience != RECONNECT_PATIENCE {
+            patience = RECONNECT_PATIENCE;
+            reconnects = Reconnects::new(patience, "relaying the outbox");
+        }
         let _watch = ConnectionWatch::start(&connection, "relaying the outbox");
         let sent_before = counters.sent.get();
         // Lanes overlap one batch's confirms with the next one's reads and
@@ -325,7 +335,7 @@ async fn count_unsent(pool: &Pool, counters: &RelayCounters) {
     let Ok(client) = pool.get().await else {
         return;
     };
-    if let Ok((unsent, _)) = outbox::backlog(&client).await {
+    if let Ok(unsent) = outbox::unsent(&client).await {
         counters.unsent.set(unsent);
     }
 }

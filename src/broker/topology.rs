@@ -463,6 +463,34 @@ impl Difference {
     }
 }
 
+/// Declares `queue`, durable and classic, bound to `exchange` with
+/// `routing_key`: a queue that takes what a topology's messages go on to,
+/// as a downstream consumer's would.
+pub async fn declare_bound_queue(
+    channel: &Channel,
+    queue: &str,
+    exchange: &str,
+    routing_key: &str,
+) -> lapin::Result<()> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue.into(), durable, FieldTable::default())
+        .await?;
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    Ok(())
+}
+
 /// Messages ready in `queue` (delivered but unacked ones not counted),
 /// without changing it: a passive declare.
 pub async fn ready_messages(channel: &Channel, queue: &str) -> lapin::Result<u32> {

@@ -348,6 +348,8 @@ impl<'a> Bench<'a> {
         let connection = connect(&self.config.amqp, "idem bench").await?;
         self.topology.declare(&connection).await?;
         let channel = connection.create_channel().await?;
+        // Not durable, unlike a downstream service's: what the bench
+        // measures is idem's side of the publish, not the queue's disk.
         let credited = credited_queue(&self.topology);
         channel
             .queue_declare(
@@ -647,7 +649,9 @@ impl<'a> Bench<'a> {
                     )
                     .await?
                     .try_get(0)?;
-                if recorded >= distinct && (!outbox || self.unsent(&client).await? == 0) {
+                if recorded >= distinct
+                    && (!outbox || crate::store::outbox::unsent(&client).await? == 0)
+                {
                     break;
                 }
             }
@@ -727,14 +731,6 @@ impl<'a> Bench<'a> {
             wal_bytes_per_message: wal_bytes.map(|bytes| bytes / messages),
             wal_fpi_per_message: wal_fpi.map(|fpi| fpi / messages),
         })
-    }
-
-    /// Outbox messages not sent yet.
-    async fn unsent(&self, client: &deadpool_postgres::Object) -> anyhow::Result<i64> {
-        Ok(client
-            .query_one("SELECT count(*) FROM mq_outbox WHERE sent_at IS NULL", &[])
-            .await?
-            .try_get(0)?)
     }
 
     /// Every order at its exact total, one record per distinct event (above

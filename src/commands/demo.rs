@@ -11,8 +11,8 @@ use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{
-    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
-    ready_messages,
+    AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect,
+    declare_bound_queue, publish_all, ready_messages,
 };
 use crate::points::{self, PaymentSucceeded, Points};
 use crate::store::{DatabaseConfig, migrate};
@@ -160,10 +160,10 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .query_one("SELECT count(*) FROM mq_consume_record", &[])
         .await?
         .try_get(0)?;
-    let outbox: (i64, i64) = client
+    let written = client
         .query_one("SELECT count(*), count(sent_at) FROM mq_outbox", &[])
-        .await
-        .map(|row| Ok::<_, tokio_postgres::Error>((row.try_get(0)?, row.try_get(1)?)))??;
+        .await?;
+    let outbox = (written.try_get(0)?, written.try_get(1)?);
     let connection = connect(&amqp, "idem demo").await?;
     let channel = connection.create_channel().await?;
     let dlq = ready_messages(&channel, &topology.dead_letter_queue).await?;
@@ -199,7 +199,7 @@ impl Credits {
 
     /// Both anew: deleted, declared, bound.
     async fn reset(&self, connection: &lapin::Connection) -> anyhow::Result<()> {
-        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+        use lapin::options::ExchangeDeclareOptions;
         use lapin::types::FieldTable;
         let channel = connection.create_channel().await?;
         channel
@@ -222,25 +222,13 @@ impl Credits {
                 FieldTable::default(),
             )
             .await?;
-        channel
-            .queue_declare(
-                self.queue.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        channel
-            .queue_bind(
-                self.queue.as_str().into(),
-                self.exchange.as_str().into(),
-                points::CREDITED_ROUTING_KEY.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        declare_bound_queue(
+            &channel,
+            &self.queue,
+            &self.exchange,
+            points::CREDITED_ROUTING_KEY,
+        )
+        .await?;
         close_channel(&channel).await;
         Ok(())
     }

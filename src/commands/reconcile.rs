@@ -23,6 +23,9 @@ use crate::broker::{Outgoing, PublishOptions, Topology, publish_all};
 use crate::commands::dlq::{self, Action, DlqConfig};
 use crate::handler::{Handler, Tally};
 
+/// Invalid lines and differing totals shown in the summary.
+pub const SHOWN: usize = 10;
+
 /// What to compare, and what to do about it.
 #[derive(Debug, Clone)]
 pub struct ReconcileConfig {
@@ -34,8 +37,8 @@ pub struct ReconcileConfig {
     /// header (each row becomes a JSON object of its columns; a column that
     /// reads as an integer is one).
     pub export: PathBuf,
-    /// Where to write the report (JSON lines: one per event, then one per
-    /// key whose total differs); none: no file.
+    /// Where to write the report (JSON lines: one per event, and per line
+    /// that is none, then one per key whose total differs); none: no file.
     pub report: Option<PathBuf>,
     /// Publish the missing events again, with confirms.
     pub republish_missing: bool,
@@ -102,7 +105,10 @@ pub struct Reconciliation {
     pub failing: u64,
     /// Missing.
     pub missing: u64,
-    /// Lines that are no event of the handler's contract: line number and why.
+    /// Lines that are no event of the handler's contract.
+    pub invalid: u64,
+    /// The first [`SHOWN`] of them: line number and why (the report file
+    /// has them all).
     pub invalid_lines: Vec<(u64, String)>,
     /// Lines that repeat an event of the same chunk.
     pub repeated: u64,
@@ -119,9 +125,7 @@ pub struct Reconciliation {
 impl Reconciliation {
     /// Everything the export lists was applied, and every total matches.
     pub fn matched(&self) -> bool {
-        self.applied == self.events
-            && self.invalid_lines.is_empty()
-            && self.totals_differ.is_empty()
+        self.applied == self.events && self.invalid == 0 && self.totals_differ.is_empty()
     }
 }
 
@@ -175,7 +179,19 @@ pub async fn run<H: Handler>(
                     }
                     events.push((id, body));
                 }
-                Err(invalid) => found.invalid_lines.push((line, invalid.to_string())),
+                Err(invalid) => {
+                    found.invalid += 1;
+                    if let Some(report) = report.as_mut() {
+                        writeln!(
+                            report,
+                            "{}",
+                            json!({"line": line, "invalid": invalid.reason()})
+                        )?;
+                    }
+                    if found.invalid_lines.len() < SHOWN {
+                        found.invalid_lines.push((line, invalid.to_string()));
+                    }
+                }
             }
         }
         let ids: Vec<&str> = events.iter().map(|(id, _)| id.as_str()).collect();
@@ -446,13 +462,13 @@ impl fmt::Display for Reconciliation {
                 self.repeated
             )?;
         }
-        if !self.invalid_lines.is_empty() {
+        if self.invalid > 0 {
             writeln!(
                 f,
                 "{} lines are no event of the handler's contract:",
-                self.invalid_lines.len()
+                self.invalid
             )?;
-            for (line, why) in self.invalid_lines.iter().take(10) {
+            for (line, why) in &self.invalid_lines {
                 writeln!(f, "  line {line}: {}", dlq::printable(why))?;
             }
         }
@@ -464,7 +480,7 @@ impl fmt::Display for Reconciliation {
                 self.keys - self.totals_differ.len() as u64,
                 self.totals_differ.len()
             )?;
-            for differs in self.totals_differ.iter().take(10) {
+            for differs in self.totals_differ.iter().take(SHOWN) {
                 writeln!(
                     f,
                     "  {}: expected {}, found {}",
@@ -473,8 +489,8 @@ impl fmt::Display for Reconciliation {
                     differs.actual
                 )?;
             }
-            if self.totals_differ.len() > 10 {
-                writeln!(f, "  … and {} more", self.totals_differ.len() - 10)?;
+            if self.totals_differ.len() > SHOWN {
+                writeln!(f, "  … and {} more", self.totals_differ.len() - SHOWN)?;
             }
         }
         if self.republished > 0 {

@@ -79,6 +79,8 @@ pub struct Applier<H: Handler> {
     tally_and_send: Option<String>,
     /// The claim of the general path.
     claim: String,
+    /// The general path's outbox rows, when the handler sends messages.
+    send: Option<String>,
 }
 
 impl<H: Handler> fmt::Debug for Applier<H> {
@@ -119,6 +121,7 @@ impl<H: Handler> Applier<H> {
             tally,
             tally_and_send,
             claim: claim::claim_statement(),
+            send: H::SENDS_MESSAGES.then(outbox::insert_statement),
         })
     }
 
@@ -200,11 +203,8 @@ impl<H: Handler> Applier<H> {
                 .await
                 .map_err(|error| self.handler_failure(error))?;
             let sent = Rows::of(handler, group, &fresh);
-            if !sent.is_empty() {
-                let statement = tx
-                    .prepare_cached(&outbox::insert_statement())
-                    .await
-                    .map_err(database)?;
+            if let Some(send) = self.send.as_ref().filter(|_| !sent.is_empty()) {
+                let statement = tx.prepare_cached(send).await.map_err(database)?;
                 tx.execute(&statement, &sent.params())
                     .await
                     .map_err(database)?;

@@ -50,7 +50,8 @@ impl Rows {
         self.message_ids.is_empty()
     }
 
-    /// The parameters of [`SENT`] (and of [`INSERT`] from `$2` on).
+    /// The rows' parameters, in the order [`sent_step`] and
+    /// [`insert_statement`] take them.
     pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
         [
             &self.event_ids,
@@ -187,14 +188,10 @@ pub async fn mark_refused(
     Ok(())
 }
 
-/// How many messages wait to be sent, and how many of those were refused.
-pub async fn backlog(client: &impl GenericClient) -> Result<(i64, i64), tokio_postgres::Error> {
-    let row = client
-        .query_one(
-            "SELECT count(*), count(*) FILTER (WHERE attempts > 0) \
-             FROM mq_outbox WHERE sent_at IS NULL",
-            &[],
-        )
-        .await?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
+/// How many messages wait to be sent.
+pub async fn unsent(client: &impl GenericClient) -> Result<i64, tokio_postgres::Error> {
+    client
+        .query_one("SELECT count(*) FROM mq_outbox WHERE sent_at IS NULL", &[])
+        .await?
+        .try_get(0)
 }

@@ -28,6 +28,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 pub use stats::{Snapshot, Stats};
 
+use crate::backoff::RECONNECT_PATIENCE;
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Topology, TopologyError, close,
     close_channel, connect_with_retry,
@@ -330,7 +331,7 @@ impl<H: Handler> Worker<H> {
             relay.stop.cancel();
             match relay.task.await {
                 Ok(Ok(report)) => crate::relay::log_report(&report),
-                Ok(Err(error)) => warn!(%error, "the relay stopped"),
+                Ok(Err(_)) => {}
                 Err(error) => warn!(%error, "the relay failed"),
             }
         }
@@ -373,7 +374,7 @@ fn start_relay(
     config: &WorkerConfig,
     counters: crate::relay::RelayCounters,
 ) -> Result<RelayTask, WorkerError> {
-    let relay = crate::relay::RelayConfig::new(config.amqp.clone());
+    let relay = crate::relay::RelayConfig::new(config.amqp.clone(), config.startup_timeout);
     let pool = DatabaseConfig {
         pool_size: relay.lanes,
         ..config.database.clone()
@@ -381,8 +382,15 @@ fn start_relay(
     .pool()?;
     let stop = CancellationToken::new();
     let token = stop.clone();
-    let task =
-        tokio::spawn(async move { crate::relay::run(&pool, &relay, &counters, &token).await });
+    let task = tokio::spawn(async move {
+        let relayed = crate::relay::run(&pool, &relay, &counters, &token).await;
+        // Said when it happens: the consumer goes on, and what it sends
+        // waits in the outbox for a relay.
+        if let Err(error) = &relayed {
+            error!(%error, "the relay stopped: outgoing messages wait in the outbox until a relay runs");
+        }
+        relayed
+    });
     Ok(RelayTask { stop, task })
 }
 
@@ -634,10 +642,6 @@ fn given_back(stats: &Stats, tags: Vec<DeliveryTag>, panic: &caught::Panic) -> V
         })
         .collect()
 }
-
-/// How long to keep trying to reconnect after a connection loss: as long
-/// as it takes, in practice.
-const RECONNECT_PATIENCE: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// The wait before reconnecting: short after a session that ran a while,
 /// growing while sessions keep failing quickly.

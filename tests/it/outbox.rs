@@ -6,8 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use lapin::options::{QueueBindOptions, QueueDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::AMQPValue;
 
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction, message_id};
 use idem::points::{Announcing, CREDITED_ROUTING_KEY, PaymentSucceeded, Points, PointsCredited};
@@ -26,25 +25,13 @@ async fn credited_queue(env: &TestEnv) -> anyhow::Result<String> {
     env.remove_on_drop(std::slice::from_ref(&queue))?;
     let connection = env.connect().await?;
     let channel = connection.create_channel().await?;
-    channel
-        .queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            env.topology.exchange.as_str().into(),
-            CREDITED_ROUTING_KEY.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    idem::broker::declare_bound_queue(
+        &channel,
+        &queue,
+        &env.topology.exchange,
+        CREDITED_ROUTING_KEY,
+    )
+    .await?;
     connection.close(200, "OK".into()).await?;
     Ok(queue)
 }
@@ -580,9 +567,12 @@ async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyho
     let broker = crate::proxy::Proxy::start(crate::helpers::amqp_address()).await?;
     let relay = idem::relay::RelayConfig {
         batch_size: 50,
-        ..idem::relay::RelayConfig::new(idem::broker::AmqpConfig::new(
-            idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)),
-        ))
+        ..idem::relay::RelayConfig::new(
+            idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
+                env.amqp_url_via(broker.port),
+            )),
+            crate::helpers::patient(Duration::from_secs(10)),
+        )
     };
     let counters = idem::relay::RelayCounters::default();
     let stop = tokio_util::sync::CancellationToken::new();

@@ -325,7 +325,8 @@ pub(crate) struct ReconcileArgs {
     #[arg(long)]
     pub(crate) export: PathBuf,
     /// Also write a report here: a JSON line per event (its status, the last
-    /// error), then one per order whose points differ.
+    /// error) and per line that is none (why), then one per order whose
+    /// points differ.
     #[arg(long)]
     pub(crate) report: Option<PathBuf>,
     /// Publish the missing events again, with confirms (safe: the worker
@@ -387,10 +388,9 @@ impl RelayArgs {
     pub(crate) fn config(&self) -> (RelayConfig, DatabaseConfig) {
         let relay = RelayConfig {
             batch_size: self.batch_size,
-            patience: self.wait.startup_timeout.0,
             until_empty: self.until_empty,
             lanes: self.lanes,
-            ..RelayConfig::new(self.amqp.config())
+            ..RelayConfig::new(self.amqp.config(), self.wait.startup_timeout.0)
         };
         let database = self.database.config(relay.lanes);
         (relay, database)
@@ -991,6 +991,11 @@ impl BenchArgs {
                 "--baseline {}: no such file",
                 baseline.display()
             )));
+        }
+        if self.outbox && !self.modes.contains(&bench::Mode::Batch) {
+            return Err(SettingError(
+                "--outbox measures batch mode: add batch to --modes".into(),
+            ));
         }
         Ok(BenchConfig {
             amqp: self.amqp.config(),

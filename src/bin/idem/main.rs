@@ -126,7 +126,7 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
             if config.until_empty {
                 // What is left was refused and waits for its next attempt.
                 let client = pool.get().await.context("counting what is left")?;
-                let (left, _) = idem::store::outbox::backlog(&client).await?;
+                let left = idem::store::outbox::unsent(&client).await?;
                 if left > 0 {
                     println!("left in the outbox: {left} not sent (see the log for why)");
                     return Ok(ExitCode::FAILURE);

@@ -85,6 +85,7 @@ const UNIQUE_RECORD: &str = "CREATE TABLE consumed (event_id TEXT PRIMARY KEY);"
 
 /// Rows, not one row: a record written twice by a race is there twice.
 const SEEN: &str = "SELECT 1 FROM consumed WHERE event_id = $1";
+const SEEN_FOR_UPDATE: &str = "SELECT 1 FROM consumed WHERE event_id = $1 FOR UPDATE";
 const RECORD: &str = "INSERT INTO consumed (event_id) VALUES ($1)";
 const CLAIM: &str = "INSERT INTO consumed (event_id) VALUES ($1) ON CONFLICT DO NOTHING";
 
@@ -198,10 +199,7 @@ impl Strategy {
             }
             Strategy::Pessimistic => {
                 let tx = db.transaction().await?;
-                let seen = !tx
-                    .query(&format!("{SEEN} FOR UPDATE"), &[&id])
-                    .await?
-                    .is_empty();
+                let seen = !tx.query(SEEN_FOR_UPDATE, &[&id]).await?.is_empty();
                 d.after(Step::Check)?;
                 if !seen {
                     d.gate().await;
