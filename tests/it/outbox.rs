@@ -244,19 +244,23 @@ async fn a_worker_and_a_relay_killed_mid_load_lose_no_credit_and_keep_every_key(
         WorkerProcess::start(command)
     };
 
-    // The worker relays for itself, and is killed part-way.
+    // The worker relays for itself, and is killed part-way through the
+    // first half of the load.
+    let (early, late) = events.split_at(events.len() / 2);
     let mut first = worker(true)?;
-    env.publish_events(&events).await?;
+    env.publish_events(early).await?;
     wait_for("some credits sent", Duration::from_secs(60), || async {
         Ok(env.ready(&queue).await? >= 300)
     })
     .await?;
     first.kill().await?;
-    // Then a worker that leaves the outbox to relays apart; one is killed
-    // part-way too.
+    // Then a worker that leaves the outbox to a relay apart, with the other
+    // half to apply: the relay has at least that half's credits to send,
+    // however far the first worker got, and is killed part-way too.
     let second = worker(false)?;
-    let mut relaying = relay(false)?;
     let sent_before = env.ready(&queue).await?;
+    let mut relaying = relay(false)?;
+    env.publish_events(late).await?;
     wait_for("the relay at work", Duration::from_secs(60), || async {
         Ok(env.ready(&queue).await? > sent_before + 100)
     })
