@@ -1,9 +1,10 @@
 //! Durations as idem writes them, in flags and in queue names (`250ms`,
-//! `30s`, `5m`, `1h`), and instants as it prints them (RFC 3339, UTC).
+//! `30s`, `5m`, `1h`; `7d` in flags), and instants as it prints them
+//! (RFC 3339, UTC).
 
 use std::time::Duration;
 
-/// `250ms`, `30s`, `5m`, `1h`, or `0`. A number without its unit is refused:
+/// `250ms`, `30s`, `5m`, `1h`, `7d`, or `0`. A number without its unit is refused:
 /// `5` could be meant as milliseconds as well as seconds.
 pub fn parse(text: &str) -> Result<Duration, String> {
     let text = text.trim();
@@ -18,16 +19,17 @@ pub fn parse(text: &str) -> Result<Duration, String> {
         "" if number == 0.0 => 0.0,
         "" => {
             return Err(format!(
-                "'{text}' has no unit: say {text}ms, {text}s, {text}m or {text}h"
+                "'{text}' has no unit: say {text}ms, {text}s, {text}m, {text}h or {text}d"
             ));
         }
         "ms" => number / 1000.0,
         "s" => number,
         "m" => number * 60.0,
         "h" => number * 3600.0,
+        "d" => number * 86_400.0,
         other => {
             return Err(format!(
-                "unknown unit '{other}' in '{text}' (use ms, s, m or h)"
+                "unknown unit '{other}' in '{text}' (use ms, s, m, h or d)"
             ));
         }
     };
@@ -44,6 +46,17 @@ pub fn format(duration: Duration) -> String {
         _ if millis.is_multiple_of(60_000) => format!("{}m", millis / 60_000),
         _ if millis.is_multiple_of(1000) => format!("{}s", millis / 1000),
         _ => format!("{millis}ms"),
+    }
+}
+
+/// [`format`], in whole days when it is some (`7d`): for windows of
+/// retention. Queue names keep [`format`], which never says days.
+pub fn format_days(duration: Duration) -> String {
+    let seconds = duration.as_secs();
+    if seconds > 0 && seconds.is_multiple_of(86_400) && duration.subsec_nanos() == 0 {
+        format!("{}d", seconds / 86_400)
+    } else {
+        format(duration)
     }
 }
 
@@ -105,6 +118,7 @@ mod tests {
         assert_eq!(parse("1.5h"), Ok(Duration::from_secs(5400)));
         assert!(parse("soon").is_err());
         assert!(parse("5 weeks").is_err());
+        assert_eq!(parse("7d"), Ok(Duration::from_secs(7 * 86_400)));
     }
 
     #[test]
@@ -131,6 +145,11 @@ mod tests {
     fn durations_show_as_they_parse() {
         for shown in ["5ms", "1500ms", "30s", "3m", "90s", "2h", "0s"] {
             assert_eq!(parse(shown).map(format), Ok(shown.to_owned()));
+        }
+        // Queue names never say days; windows do.
+        assert_eq!(parse("2d").map(format), Ok("48h".to_owned()));
+        for shown in ["7d", "36h", "90m", "0s"] {
+            assert_eq!(parse(shown).map(format_days), Ok(shown.to_owned()));
         }
     }
 }

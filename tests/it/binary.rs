@@ -491,7 +491,7 @@ async fn a_usage_error_says_in_one_line_what_is_wrong_and_which_help_to_read() -
         ),
         (
             &["worker", "--batch-wait", "5"][..],
-            &["'5' has no unit: say 5ms, 5s, 5m or 5h"][..],
+            &["'5' has no unit: say 5ms, 5s, 5m, 5h or 5d"][..],
             2,
         ),
         (
