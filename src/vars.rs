@@ -40,6 +40,14 @@ pub const DEAD_LETTER_QUEUE: &str = "IDEM_DEAD_LETTER_QUEUE";
 pub const DELIVERY_LIMIT: &str = "IDEM_DELIVERY_LIMIT";
 /// `--retry-delays`.
 pub const RETRY_DELAYS: &str = "IDEM_RETRY_DELAYS";
+/// `worker --retention`.
+pub const RETENTION: &str = "IDEM_RETENTION";
+/// `worker --prune-interval`.
+pub const PRUNE_INTERVAL: &str = "IDEM_PRUNE_INTERVAL";
+/// `--min-retention`.
+pub const MIN_RETENTION: &str = "IDEM_MIN_RETENTION";
+/// `--epoch-length`.
+pub const EPOCH_LENGTH: &str = "IDEM_EPOCH_LENGTH";
 /// `--quorum-size`.
 pub const QUORUM_SIZE: &str = "IDEM_QUORUM_SIZE";
 /// `worker --max-attempts`.

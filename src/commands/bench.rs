@@ -54,6 +54,12 @@ pub struct BenchConfig {
     /// random UUID ids: each worker runs once per size in every round, to
     /// show how deduplication holds up as records pile up.
     pub prefill: Vec<u64>,
+    /// Epochs (days of a retention window) the prefilled records are
+    /// spread over, the last of them current.
+    pub prefill_epochs: u16,
+    /// Over each prefill, also a run during which the oldest day of
+    /// records is removed (`idem prune`'s way), against the run without.
+    pub prune_during: bool,
     /// Prefetch of every consumer measured.
     pub prefetch: u16,
     /// Batch mode's batch size.
@@ -164,6 +170,38 @@ fn over(mode: &str, prefill: u64) -> String {
     }
 }
 
+/// The suffix of a run's key during which the oldest day was removed.
+const REMOVING: &str = ", a day removed";
+
+/// What a worker run measures, besides the mode.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    /// The run's consume records are those whose id is above it.
+    floor: i64,
+    /// The run is done once every outgoing message is sent too.
+    outbox: bool,
+    /// Half-way through, the oldest prefilled day is removed.
+    removal: bool,
+}
+
+/// Removes the oldest day of `epochs` prefilled ones as `idem prune` does
+/// (the epochs are a day apart, the current one opened a day ago); returns
+/// the epochs dropped and how long it took.
+async fn remove_oldest_day(pool: Pool, epochs: u16) -> anyhow::Result<(Vec<i32>, Duration)> {
+    let started = Instant::now();
+    let day = 24 * 3600;
+    let config = crate::store::retention::PruneConfig {
+        older_than: Duration::from_secs(u64::from(epochs.saturating_sub(1)) * day - day / 2),
+        epoch_length: Duration::from_secs(365 * day),
+        lock_timeout: crate::commands::prune::PruneSettings::DEFAULT_LOCK_TIMEOUT,
+        keep_from: None,
+    };
+    let pruned = crate::store::retention::prune(&pool, &config)
+        .await?
+        .context("another pruner was at work")?;
+    Ok((pruned.dropped, started.elapsed()))
+}
+
 impl BenchReport {
     fn runs(&self, key: &str) -> Option<&Vec<Measurement>> {
         self.rounds
@@ -271,14 +309,29 @@ impl Bench<'_> {
                 }
                 for (key, binary) in builds {
                     for &prefill in &config.prefill {
-                        bench.reset().await?;
-                        let floor = bench.prefill(prefill).await?;
-                        bench.publish(&bodies).await?;
-                        settle_down().await;
-                        let measured = bench.worker(binary, &args, &load, floor, false).await?;
-                        let key = over(key, prefill);
-                        eprintln!("  {:<30} {:>9.0} msgs/s", label(&key), measured.rate);
-                        report.push(key, measured);
+                        let removals = if config.prune_during && prefill > 0 {
+                            &[false, true][..]
+                        } else {
+                            &[false][..]
+                        };
+                        for &removal in removals {
+                            bench.reset().await?;
+                            let floor = bench.prefill(prefill).await?;
+                            bench.publish(&bodies).await?;
+                            settle_down().await;
+                            let run = Run {
+                                floor,
+                                outbox: false,
+                                removal,
+                            };
+                            let measured = bench.worker(binary, &args, &load, run).await?;
+                            let mut key = over(key, prefill);
+                            if removal {
+                                key.push_str(REMOVING);
+                            }
+                            eprintln!("  {:<30} {:>9.0} msgs/s", label(&key), measured.rate);
+                            report.push(key, measured);
+                        }
                     }
                 }
             }
@@ -288,8 +341,13 @@ impl Bench<'_> {
                 settle_down().await;
                 let mut args = bench.batch_args();
                 args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
+                let run = Run {
+                    floor: 0,
+                    outbox: true,
+                    removal: false,
+                };
                 let measured = bench
-                    .worker(&config.worker_binary, &args, &load, 0, true)
+                    .worker(&config.worker_binary, &args, &load, run)
                     .await?;
                 eprintln!(
                     "  {:<30} {:>9.0} msgs/s",
@@ -538,11 +596,14 @@ impl<'a> Bench<'a> {
     }
 
     /// Fills the consume records with `prefill` rows of random UUID ids in
-    /// the worker's consumer group, dated a day back, fast: the unique
-    /// index is dropped, the rows loaded, the index built again. Then
-    /// VACUUM, for a table as a long-running one is, and a checkpoint, so
-    /// that the run starts where a steady state would. Returns the highest
-    /// id among them: the run's own records are above it.
+    /// the worker's consumer group, spread over `prefill_epochs` epochs a
+    /// day apart, the last of them current (a retention window of that
+    /// many days, at the end of its last day), fast: each partition's
+    /// unique index is dropped, the rows loaded, the index built again.
+    /// Then VACUUM, for a table as a long-running one is, and a
+    /// checkpoint, so that the run starts where a steady state would.
+    /// Returns the highest id among them: the run's own records are above
+    /// it.
     async fn prefill(&self, count: u64) -> anyhow::Result<i64> {
         let count = i64::try_from(count)?;
         if count == 0 {
@@ -551,24 +612,52 @@ impl<'a> Bench<'a> {
         let started = Instant::now();
         let client = self.pool.get().await?;
         client
-            .batch_execute(
-                "SET statement_timeout = 0; SET maintenance_work_mem = '512MB'; \
-                 ALTER TABLE mq_consume_record DROP CONSTRAINT uk_event_consumer",
-            )
+            .batch_execute("SET statement_timeout = 0; SET maintenance_work_mem = '512MB'")
             .await?;
-        client
-            .execute(
-                "INSERT INTO mq_consume_record (event_id, consumer_group, consumed_at) \
-                 SELECT gen_random_uuid()::text, $1, now() - interval '1 day' \
-                 FROM generate_series(1, $2::bigint)",
-                &[&points::CONSUMER_GROUP, &count],
-            )
-            .await
-            .context("prefilling the consume records")?;
+        let epochs = i64::from(self.config.prefill_epochs.max(1));
+        for day in 0..epochs {
+            if day > 0 {
+                client.batch_execute("SELECT mq_open_epoch()").await?;
+            }
+            let epoch: i32 = client
+                .query_one("SELECT max(epoch) FROM mq_consume_epoch", &[])
+                .await?
+                .try_get(0)?;
+            let partition = format!("mq_consume_record_{epoch}");
+            let rows = count / epochs + i64::from(day < count % epochs);
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE {partition} DROP CONSTRAINT {partition}_key"
+                ))
+                .await?;
+            client
+                .execute(
+                    "INSERT INTO mq_consume_record (event_id, consumer_group, consumed_at, epoch) \
+                     SELECT gen_random_uuid()::text, $1, \
+                         now() - make_interval(days => $3::int), $4 \
+                     FROM generate_series(1, $2::bigint)",
+                    &[
+                        &points::CONSUMER_GROUP,
+                        &rows,
+                        &i32::try_from(epochs - 1 - day)?,
+                        &epoch,
+                    ],
+                )
+                .await
+                .context("prefilling the consume records")?;
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE {partition} \
+                     ADD CONSTRAINT {partition}_key UNIQUE (event_id, consumer_group)"
+                ))
+                .await?;
+        }
+        // A day apart, the current one opened a day ago: as a daily
+        // rotation leaves them.
         client
             .batch_execute(
-                "ALTER TABLE mq_consume_record \
-                 ADD CONSTRAINT uk_event_consumer UNIQUE (event_id, consumer_group)",
+                "UPDATE mq_consume_epoch SET opened_at = now() - \
+                 make_interval(days => (SELECT max(epoch) FROM mq_consume_epoch) - epoch + 1)",
             )
             .await?;
         client
@@ -602,9 +691,14 @@ impl<'a> Bench<'a> {
         binary: &std::path::Path,
         args: &[String],
         load: &[PaymentSucceeded],
-        floor: i64,
-        outbox: bool,
+        run: Run,
     ) -> anyhow::Result<Measurement> {
+        let Run {
+            floor,
+            outbox,
+            removal,
+        } = run;
+        let mut removing = None;
         let client = self.pool.get().await?;
         let wal_before = wal(&client).await;
         let services = ServiceCpu::now();
@@ -640,6 +734,12 @@ impl<'a> Bench<'a> {
             // The broker first: counting records scans the table, which
             // would load the database under measurement.
             let ready = probe.ready(&self.topology.queue).await?;
+            if removal && removing.is_none() && (ready as usize) < load.len() / 2 {
+                removing = Some(tokio::spawn(remove_oldest_day(
+                    self.pool.clone(),
+                    self.config.prefill_epochs,
+                )));
+            }
             let mut recorded = -1;
             if ready == 0 {
                 recorded = client
@@ -670,6 +770,17 @@ impl<'a> Bench<'a> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         probe.close().await;
+        if let Some(removing) = removing {
+            let (dropped, took) = removing.await??;
+            ensure!(
+                !dropped.is_empty(),
+                "the removal during the run dropped no epoch"
+            );
+            eprintln!(
+                "  removed epochs {dropped:?} in {:.0} ms while the worker ran",
+                took.as_secs_f64() * 1e3
+            );
+        }
         let usage = ProcessUsage::read(pid);
         let (postgres, rabbitmq) = ServiceCpu::now().per_message(&services, load.len() as f64);
         let lsn_after = wal_lsn(&client).await;
@@ -958,7 +1069,10 @@ impl ServiceCpu {
                     .and_then(|f| f.parse::<u64>().ok())
                     .unwrap_or(0)
             };
-            let used = ticks(11) + ticks(12);
+            // With the time of children reaped: a backend (or autovacuum
+            // worker) that exits during a run leaves its CPU in the
+            // postmaster's count instead of taking it away.
+            let used = ticks(11) + ticks(12) + ticks(13) + ticks(14);
             if head.ends_with("(postgres") {
                 total.postgres_ticks += used;
             } else if head.ends_with("(beam.smp") {
@@ -1102,6 +1216,13 @@ impl fmt::Display for BenchReport {
             writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
         }
         for (mode, _) in &self.rounds {
+            if let Some(times) = mode
+                .strip_suffix(REMOVING)
+                .and_then(|without| ratio(&rates(mode), &rates(without)))
+            {
+                writeln!(f, "{} / without: {times:.2} ×", label(mode))?;
+                continue;
+            }
             for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {
                 if let Some(times) = mode
                     .strip_prefix(plain)

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod demo;
 pub mod dlq;
 pub mod lab;
+pub mod prune;
 pub mod publish;
 pub mod reconcile;
 pub mod status;

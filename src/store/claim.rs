@@ -5,16 +5,14 @@ use super::ledger;
 use crate::handler::Tally;
 
 /// The `claimed` step: a consume record for each event id of `$1`
-/// (distinct) in consumer group `$2`, inserted in id order so that
-/// concurrent batches take the unique index's locks in one order. Yields
-/// the ids that went in; an id it does not yield was recorded before (or by
-/// a concurrent transaction that committed first): a duplicate.
+/// (distinct) in consumer group `$2` (`mq_claim`: in the current epoch,
+/// for the ids no epoch holds, in id order so that concurrent batches take
+/// the unique index's locks in one order). Yields the ids that went in; an
+/// id it does not yield was recorded before (or by a concurrent transaction
+/// that committed first): a duplicate.
 const CLAIMED: &str = "\
     claimed AS (\
-        INSERT INTO mq_consume_record (event_id, consumer_group) \
-        SELECT event_id, $2 FROM unnest($1::varchar[]) AS claim(event_id) ORDER BY event_id \
-        ON CONFLICT ON CONSTRAINT uk_event_consumer DO NOTHING \
-        RETURNING event_id)";
+        SELECT claim.event_id FROM mq_claim($1::varchar[], $2::varchar) AS claim(event_id))";
 
 /// The event ids of `$1` recorded for consumer group `$2`: applied already.
 pub(super) const RECORDED: &str = "\

@@ -27,6 +27,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(2, "0002_failure_ledger.sql"),
     migration!(3, "0003_handler_migrations.sql"),
     migration!(4, "0004_outbox.sql"),
+    migration!(5, "0005_consume_record_epochs.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -200,6 +201,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 4);
+        assert_eq!(latest(MIGRATIONS), 5);
     }
 }

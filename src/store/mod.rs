@@ -9,6 +9,7 @@ mod failure;
 mod ledger;
 pub mod migrate;
 pub mod outbox;
+pub mod retention;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};

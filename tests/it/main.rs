@@ -39,6 +39,7 @@ mod outbox;
 mod proxy;
 mod publishing;
 mod reconcile;
+mod retention;
 mod retries;
 mod secrets;
 mod stock;

@@ -15,6 +15,7 @@ use idem::broker::{AmqpConfig, PublishOptions, Topology};
 use idem::commands::bench::{self, BenchConfig};
 use idem::commands::dlq::{Action, DlqConfig, Filter, View};
 use idem::commands::lab::{LabConfig, Strategy};
+use idem::commands::prune::PruneSettings;
 use idem::commands::publish::{PublishConfig, Source};
 use idem::commands::reconcile::ReconcileConfig;
 use idem::commands::status::StatusConfig;
@@ -77,6 +78,10 @@ pub(crate) enum Command {
     /// Publish what the outbox holds (with confirms), until SIGINT/SIGTERM
     /// or, with --until-empty, until nothing is due.
     Relay(RelayArgs),
+    /// Remove the consume records older than a window (a whole epoch at a
+    /// time), and the ledger and outbox rows older than it, keeping what a
+    /// dead letter may still need.
+    Prune(PruneArgs),
     /// Run the deduplication strategies a team might choose side by side,
     /// under the same faults, and show what each does to the effect.
     Lab(LabArgs),
@@ -303,6 +308,16 @@ pub(crate) struct WorkerArgs {
     /// Do not relay the outbox from this worker (an `idem relay` does).
     #[arg(long, env = vars::NO_RELAY)]
     pub(crate) no_relay: bool,
+    /// Keep the consume records for this long (e.g. 14d), pruning as
+    /// `idem prune --older-than` does, every --prune-interval, one pruner
+    /// per schema at a time [default: keep them all].
+    #[arg(long, env = vars::RETENTION)]
+    pub(crate) retention: Option<Wait>,
+    /// With --retention: how often to prune.
+    #[arg(long, env = vars::PRUNE_INTERVAL, default_value_t = Wait(PruneSettings::DEFAULT_INTERVAL))]
+    pub(crate) prune_interval: Wait,
+    #[command(flatten)]
+    pub(crate) retention_rules: RetentionArgs,
     #[command(flatten)]
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
@@ -358,6 +373,62 @@ impl ReconcileArgs {
             report: self.report.clone(),
             republish_missing: self.republish_missing,
             chunk: self.chunk,
+        })
+    }
+}
+
+/// How the consume records are kept: the safety rule of a retention, and
+/// the epochs.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Retention")]
+pub(crate) struct RetentionArgs {
+    /// Refuse a retention window shorter than this: a message that comes
+    /// back (a retry, the broker's redelivery, an operator's replay, a
+    /// recovery) after its event's record is removed applies again.
+    #[arg(long, env = vars::MIN_RETENTION, default_value_t = Wait(PruneSettings::DEFAULT_MIN_RETENTION))]
+    pub(crate) min_retention: Wait,
+    /// How long an epoch of the consume records takes claims before the
+    /// next is opened: longer means fewer epochs for a claim to look into,
+    /// shorter a smaller one to insert into, and a finer removal
+    /// [default: half the window].
+    #[arg(long, env = vars::EPOCH_LENGTH)]
+    pub(crate) epoch_length: Option<Wait>,
+}
+
+/// `idem prune`.
+#[derive(Debug, Args)]
+pub(crate) struct PruneArgs {
+    /// Remove what is older than this (e.g. 7d): an epoch once its newest
+    /// record is.
+    #[arg(long)]
+    pub(crate) older_than: Wait,
+    #[command(flatten)]
+    pub(crate) retention: RetentionArgs,
+    /// The group's retry delays (as the worker's --retry-delays): the
+    /// window must be longer than a message takes through them all.
+    #[arg(
+        long,
+        env = vars::RETRY_DELAYS,
+        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
+    )]
+    pub(crate) retry_delays: Delays,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+}
+
+impl PruneArgs {
+    /// Settings of `idem prune`.
+    pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
+        Ok(PruneSettings {
+            target: self.target.config(Filter::default(), None)?,
+            older_than: self.older_than.0,
+            min_retention: self.retention.min_retention.0,
+            retry_delays: self.retry_delays.0.clone(),
+            epoch_length: PruneSettings::epoch_length(
+                self.older_than.0,
+                self.retention.epoch_length.as_ref().map(|length| length.0),
+            ),
+            lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
         })
     }
 }
@@ -618,6 +689,15 @@ pub(crate) struct BenchArgs {
     /// comma-separated, run each worker once per size in every round.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub(crate) prefill: Vec<u64>,
+    /// The epochs (days of a retention window) the prefilled records are
+    /// spread over, the last of them current: the worker inserts into a
+    /// day's records and looks into the others.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefill_epochs: u16,
+    /// Over each prefill, also a run during which the oldest day of the
+    /// prefilled records is removed, as `idem prune` does.
+    #[arg(long)]
+    pub(crate) prune_during: bool,
     /// Prefetch of every consumer measured.
     #[arg(long, default_value_t = Mode::Batch.tuning().prefetch)]
     pub(crate) prefetch: u16,
@@ -854,6 +934,40 @@ pub(crate) fn topology(route: &RouteArgs, queues: &QueueArgs) -> Topology {
 }
 
 impl WorkerArgs {
+    /// With --retention, the settings of the worker's pruner, checked
+    /// against the safety rule.
+    pub(crate) fn pruner(&self) -> Result<Option<(PruneSettings, Duration)>, SettingError> {
+        let Some(window) = &self.retention else {
+            return Ok(None);
+        };
+        let settings = PruneSettings {
+            target: DlqConfig {
+                amqp: self.amqp.config(),
+                database: self.database.config(2),
+                consumer_group: self.group.consumer_group()?,
+                dead_letter_queue: self.queues.dead_letters.dead_letter_queue.clone(),
+                filter: Filter::default(),
+                limit: None,
+                patience: self.wait.startup_timeout.0,
+            },
+            older_than: window.0,
+            min_retention: self.retention_rules.min_retention.0,
+            retry_delays: self.queues.retry_delays.0.clone(),
+            epoch_length: PruneSettings::epoch_length(
+                window.0,
+                self.retention_rules
+                    .epoch_length
+                    .as_ref()
+                    .map(|length| length.0),
+            ),
+            lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
+        };
+        settings
+            .check_window()
+            .map_err(|error| SettingError(format!("--retention: {error}")))?;
+        Ok(Some((settings, self.prune_interval.0)))
+    }
+
     /// Settings of `idem worker`: the library's defaults for its mode, and
     /// what the flags say. Warns (once telemetry is up) about a prefetch too
     /// small to keep the batches in flight fed.
@@ -1005,6 +1119,8 @@ impl BenchArgs {
             orders: self.orders,
             uuid_ids: self.uuid_ids,
             prefill: self.prefill.clone(),
+            prefill_epochs: self.prefill_epochs,
+            prune_during: self.prune_during,
             prefetch: self.prefetch,
             batch_size: self.batch_size,
             batch_wait: self.batch_wait.0,

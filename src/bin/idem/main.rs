@@ -15,7 +15,7 @@ mod cli;
 
 use cli::{Cli, Command};
 use idem::commands::dlq::{self, Printed};
-use idem::commands::{bench, demo, lab, publish, reconcile, status};
+use idem::commands::{bench, demo, lab, prune, publish, reconcile, status};
 use idem::points::Points;
 use idem::progress::Progress;
 use idem::relay;
@@ -101,12 +101,23 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
         }
         Command::Worker(args) => {
             let config = args.config()?;
-            if let Some(exchange) = &args.credits_exchange {
+            let pruner = args.pruner()?.map(|(settings, interval)| {
+                let shutdown = shutdown.child_token();
+                let stop = shutdown.clone();
+                let task = tokio::spawn(prune::keep_pruning(settings, Points, interval, shutdown));
+                (task, stop)
+            });
+            let worked = if let Some(exchange) = &args.credits_exchange {
                 let handler = Points.announcing(exchange.as_str());
-                Worker::new(config, handler).run(shutdown).await?;
+                Worker::new(config, handler).run(shutdown).await
             } else {
-                Worker::new(config, Points).run(shutdown).await?;
+                Worker::new(config, Points).run(shutdown).await
+            };
+            if let Some((task, stop)) = pruner {
+                stop.cancel();
+                let _ = task.await;
             }
+            worked?;
         }
         Command::Relay(args) => {
             let (config, database) = args.config();
@@ -132,6 +143,11 @@ async fn run(cli: Cli, shutdown: CancellationToken) -> anyhow::Result<ExitCode> 
                     return Ok(ExitCode::FAILURE);
                 }
             }
+        }
+        Command::Prune(args) => {
+            let settings = args.config()?;
+            let outcome = prune::run(&settings, &Points, &shutdown).await?;
+            println!("{outcome}");
         }
         Command::Publish(args) => {
             let (config, source) = args.config()?;

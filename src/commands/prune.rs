@@ -1,0 +1,210 @@
+//! `idem prune`: the retention of the consume records, under the design's
+//! safety rule: keep a record at least as long as a message carrying its
+//! event can come back. Once it is gone, such a message applies again.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio_util::sync::CancellationToken;
+
+use super::dlq::{self, Action, DlqConfig};
+use crate::handler::Handler;
+use crate::store::retention::{self, PruneConfig, Pruned};
+use crate::store::{ReadyError, Store};
+
+/// `idem prune`'s settings.
+#[derive(Debug, Clone)]
+pub struct PruneSettings {
+    /// The dead-letter queue whose messages an operator may still replay,
+    /// the database, and the consumer group.
+    pub target: DlqConfig,
+    /// Remove what is older than this.
+    pub older_than: Duration,
+    /// Refuse a window shorter than this.
+    pub min_retention: Duration,
+    /// The retry delays of the group's wait queues: a message waits for
+    /// them all before it is dead-lettered.
+    pub retry_delays: Vec<Duration>,
+    /// How long an epoch stays current.
+    pub epoch_length: Duration,
+    /// Longest wait for a lock (see [`PruneConfig::lock_timeout`]).
+    pub lock_timeout: Duration,
+}
+
+impl PruneSettings {
+    /// The shortest window allowed unless said otherwise: a week covers a
+    /// weekend's outage and the operator's replay after it.
+    pub const DEFAULT_MIN_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Claims wait behind an epoch being opened or dropped: not long.
+    pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+    /// How often a worker's pruner prunes.
+    pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(3600);
+
+    /// The length of an epoch: `given`, or half the window. Each epoch a
+    /// claim looks into costs it a lookup per event, which costs more than
+    /// a larger current epoch saves (docs/performance.md): about three
+    /// epochs live at a time, and records stay for one and a half windows
+    /// at most.
+    pub fn epoch_length(window: Duration, given: Option<Duration>) -> Duration {
+        given.unwrap_or(window / 2)
+    }
+
+    /// The window must be no shorter than `min_retention`, and longer than
+    /// a message takes through every retry.
+    pub fn check_window(&self) -> anyhow::Result<()> {
+        let window = crate::duration::format_days(self.older_than);
+        if self.older_than < self.min_retention {
+            bail!(
+                "a window of {window} is shorter than --min-retention ({}): a message that \
+                 comes back after its record is removed applies again",
+                crate::duration::format_days(self.min_retention)
+            );
+        }
+        let retries: Duration = self.retry_delays.iter().sum();
+        if self.older_than <= retries {
+            bail!(
+                "a window of {window} is not longer than the retry delays together ({}): a \
+                 message still retrying could come back after its record is removed",
+                crate::duration::format_days(retries)
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What `idem prune` did.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// What went; `None` if another pruner was at work.
+    pub pruned: Option<Pruned>,
+    /// The epoch kept although older than the window, and how many dead
+    /// letters carry an event recorded in it or later.
+    pub held_back: Option<(i32, usize)>,
+}
+
+/// Checks the window against the safety rule, then prunes once.
+pub async fn run<H: Handler>(
+    settings: &PruneSettings,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Outcome> {
+    settings.check_window()?;
+    let pool = settings.target.database.pool()?;
+    let store = Store::new(pool.clone(), settings.target.consumer_group.clone());
+    match store
+        .wait_until_ready::<H>(settings.target.patience, shutdown)
+        .await
+    {
+        Err(ReadyError::Interrupted) => return Ok(Outcome::default()),
+        ready => ready?,
+    }
+    // The dead letters an operator may replay: an event among them that
+    // this group applied (another copy of it did) keeps its record.
+    let letters = dlq::run(&settings.target, &Action::List, handler, shutdown).await?;
+    if let Some(why) = &letters.ledger_unavailable {
+        bail!("cannot tell which dead letters were applied, so nothing is pruned: {why}");
+    }
+    if shutdown.is_cancelled() {
+        return Ok(Outcome::default());
+    }
+    let applied: Vec<&str> = letters
+        .listed
+        .iter()
+        .filter(|entry| entry.applied == Some(true))
+        .filter_map(|entry| entry.event_id.as_deref())
+        .collect();
+    let client = pool.get().await?;
+    let keep_from = match applied.as_slice() {
+        [] => None,
+        ids => retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?,
+    };
+    drop(client);
+    let config = PruneConfig {
+        older_than: settings.older_than,
+        epoch_length: settings.epoch_length,
+        lock_timeout: settings.lock_timeout,
+        keep_from,
+    };
+    let pruned = retention::prune(&pool, &config)
+        .await
+        .context("pruning the consume records")?;
+    Ok(Outcome {
+        pruned,
+        held_back: keep_from.map(|epoch| (epoch, applied.len())),
+    })
+}
+
+/// A worker's pruner: [`run`] every `interval` until `shutdown`. A pass that
+/// fails is logged and the next one tries again: the worker goes on.
+pub async fn keep_pruning<H: Handler>(
+    settings: PruneSettings,
+    handler: H,
+    interval: Duration,
+    shutdown: CancellationToken,
+) {
+    loop {
+        match run(&settings, &handler, &shutdown).await {
+            Ok(outcome) => match &outcome.pruned {
+                Some(pruned) if pruned.opened.is_some() || !pruned.dropped.is_empty() => {
+                    tracing::info!(
+                        opened = pruned.opened,
+                        dropped = ?pruned.dropped,
+                        records = pruned.records,
+                        ledger_rows = pruned.ledger_rows,
+                        outbox_rows = pruned.outbox_rows,
+                        held_back = outcome.held_back.map(|(epoch, _)| epoch),
+                        "pruned the consume records"
+                    );
+                }
+                _ => tracing::debug!(%outcome, "nothing to prune"),
+            },
+            Err(error) => {
+                tracing::warn!(
+                    error = format!("{error:#}"),
+                    "pruning failed; the next pass tries again"
+                );
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+}
+
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Some(pruned) = &self.pruned else {
+            return write!(f, "another pruner is at work on this schema: nothing done");
+        };
+        if let Some(epoch) = pruned.opened {
+            writeln!(f, "opened epoch {epoch}")?;
+        }
+        match pruned.dropped.as_slice() {
+            [] => writeln!(f, "no epoch older than the window")?,
+            epochs => writeln!(
+                f,
+                "dropped epoch{} {} (about {} consume records)",
+                if epochs.len() == 1 { "" } else { "s" },
+                epochs
+                    .iter()
+                    .map(i32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                pruned.records
+            )?,
+        }
+        if let Some((epoch, letters)) = self.held_back {
+            writeln!(
+                f,
+                "kept epoch {epoch} and later: {letters} dead letter(s) carry events applied \
+                 there, and a replay would apply them again once their records are gone"
+            )?;
+        }
+        write!(
+            f,
+            "removed {} failure ledger row(s) and {} sent outbox row(s) older than the window",
+            pruned.ledger_rows, pruned.outbox_rows
+        )
+    }
+}

@@ -1,0 +1,236 @@
+//! Retention of the consume records: epochs opened as time goes by, and
+//! whole epochs dropped once they are older than the window (a partition
+//! dropped at once: no row deleted one by one, nothing left to vacuum).
+//! The ledger's and the outbox's rows that outlive the window go too.
+
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::Pool;
+use tokio_postgres::Client;
+use tokio_postgres::error::SqlState;
+
+use super::StoreError;
+
+/// An epoch of the consume records: a partition of its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Epoch {
+    /// Its number; the highest is the current one, which takes the claims.
+    pub epoch: i32,
+    /// When it was opened.
+    pub opened_at: SystemTime,
+    /// When the next one was opened: its newest record is older. `None`
+    /// for the current epoch.
+    pub closed_at: Option<SystemTime>,
+}
+
+/// The epochs, oldest first.
+pub async fn epochs(client: &Client) -> Result<Vec<Epoch>, StoreError> {
+    let rows = client
+        .query(
+            "SELECT epoch, opened_at, lead(opened_at) OVER (ORDER BY epoch) \
+             FROM mq_consume_epoch ORDER BY epoch",
+            &[],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Epoch {
+                epoch: row.try_get(0)?,
+                opened_at: row.try_get(1)?,
+                closed_at: row.try_get(2)?,
+            })
+        })
+        .collect()
+}
+
+/// What a pass of [`prune`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Pruned {
+    /// The epoch it opened, if the current one had been open for a whole
+    /// epoch's length.
+    pub opened: Option<i32>,
+    /// The epochs it dropped, oldest first.
+    pub dropped: Vec<i32>,
+    /// Consume records in them (PostgreSQL's estimate, which VACUUM and
+    /// ANALYZE keep close).
+    pub records: i64,
+    /// Failure ledger rows removed: events last failed before the cutoff,
+    /// whose messages are no longer anywhere.
+    pub ledger_rows: u64,
+    /// Outbox rows removed: sent before the cutoff.
+    pub outbox_rows: u64,
+}
+
+/// How a pass of [`prune`] goes.
+#[derive(Debug, Clone, Copy)]
+pub struct PruneConfig {
+    /// What is older than this goes: a closed epoch once its newest record
+    /// is, a ledger row last failed before, an outbox row sent before.
+    pub older_than: Duration,
+    /// How long an epoch stays current (how many records a claim inserts
+    /// among, against how many epochs it looks into).
+    pub epoch_length: Duration,
+    /// Longest wait for a lock: opening an epoch waits for the claims in
+    /// flight, dropping one for the statements that read it, and the
+    /// claims that come meanwhile wait behind. Past it, the step is left
+    /// to the next pass.
+    pub lock_timeout: Duration,
+    /// Keep this epoch and the later ones whatever their age: one holds
+    /// the record of an event a message that can still come back carries
+    /// (a dead letter's, say), and a replay after the drop would apply it
+    /// again.
+    pub keep_from: Option<i32>,
+}
+
+/// Rows a chunk of a removal deletes: short transactions, no long lock.
+const CHUNK: i64 = 10_000;
+
+/// Key of the advisory lock that lets one pruner at a time work on a
+/// schema: "idmp" in ASCII, and the schema's epoch table.
+const PRUNER_LOCK: &str = "SELECT pg_try_advisory_lock(x'69646d70'::integer, \
+                           'mq_consume_epoch'::regclass::oid::integer)";
+
+/// One pass: opens an epoch if the current one is due, drops the closed
+/// epochs whose newest record is older than `older_than`, oldest first,
+/// and removes the ledger and outbox rows older than that. `None` if
+/// another pruner is at work on the schema. The safety rule (a window no
+/// shorter than a message can come back in) is the caller's.
+pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, StoreError> {
+    // A connection of its own, closed when done: the lock is the session's,
+    // and must not stay with a pooled connection if a step fails.
+    let mut client = deadpool_postgres::Object::take(pool.get().await?);
+    let locked: bool = client.query_one(PRUNER_LOCK, &[]).await?.try_get(0)?;
+    if !locked {
+        return Ok(None);
+    }
+    client
+        .batch_execute(&format!(
+            "SET lock_timeout = {}",
+            config.lock_timeout.as_millis().max(1)
+        ))
+        .await?;
+    let mut pruned = Pruned::default();
+    let now = SystemTime::now();
+    let cutoff = now
+        .checked_sub(config.older_than)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let epochs = epochs(&client).await?;
+    if let Some(current) = epochs.last()
+        && now
+            .duration_since(current.opened_at)
+            .is_ok_and(|open| open >= config.epoch_length)
+    {
+        pruned.opened = unless_locked(open_epoch(&client).await)?;
+    }
+    for epoch in &epochs {
+        match epoch.closed_at {
+            Some(closed)
+                if closed < cutoff && config.keep_from.is_none_or(|keep| epoch.epoch < keep) => {}
+            _ => break,
+        }
+        let Some(records) = unless_locked(drop_epoch(&mut client, epoch.epoch).await)? else {
+            break;
+        };
+        pruned.records += records;
+        pruned.dropped.push(epoch.epoch);
+    }
+    pruned.ledger_rows = remove_in_chunks(
+        &client,
+        "DELETE FROM mq_failure_ledger WHERE ctid = ANY(ARRAY(\
+             SELECT ctid FROM mq_failure_ledger WHERE last_failed_at < $1 LIMIT $2))",
+        cutoff,
+    )
+    .await?;
+    pruned.outbox_rows = remove_in_chunks(
+        &client,
+        "DELETE FROM mq_outbox WHERE id = ANY(ARRAY(\
+             SELECT id FROM mq_outbox WHERE sent_at < $1 ORDER BY id LIMIT $2))",
+        cutoff,
+    )
+    .await?;
+    Ok(Some(pruned))
+}
+
+/// The oldest epoch holding a record of one of `event_ids` in
+/// `consumer_group`.
+pub async fn oldest_epoch_of(
+    client: &Client,
+    consumer_group: &str,
+    event_ids: &[&str],
+) -> Result<Option<i32>, StoreError> {
+    Ok(client
+        .query_one(
+            "SELECT min(epoch) FROM mq_consume_record \
+             WHERE consumer_group = $1 AND event_id = ANY($2::varchar[])",
+            &[&consumer_group, &event_ids],
+        )
+        .await?
+        .try_get(0)?)
+}
+
+/// Opens the next epoch (`mq_open_epoch`), in a transaction of its own.
+pub async fn open_epoch(client: &Client) -> Result<i32, StoreError> {
+    Ok(client
+        .query_one("SELECT mq_open_epoch()", &[])
+        .await?
+        .try_get(0)?)
+}
+
+/// Drops a closed epoch's partition, and the epoch with it; returns the
+/// records it held (the estimate).
+async fn drop_epoch(client: &mut Client, epoch: i32) -> Result<i64, StoreError> {
+    let partition = format!("mq_consume_record_{epoch}");
+    let estimate: f32 = client
+        .query_one(
+            "SELECT reltuples FROM pg_class WHERE oid = $1::text::regclass",
+            &[&partition],
+        )
+        .await?
+        .try_get(0)?;
+    // A table never analyzed says -1: counted then (autovacuum analyzes
+    // a large one soon enough).
+    let records = if estimate >= 0.0 {
+        estimate as i64
+    } else {
+        client
+            .query_one(&format!("SELECT count(*) FROM {partition}"), &[])
+            .await?
+            .try_get(0)?
+    };
+    let tx = client.transaction().await?;
+    tx.batch_execute(&format!("DROP TABLE {partition}")).await?;
+    tx.execute("DELETE FROM mq_consume_epoch WHERE epoch = $1", &[&epoch])
+        .await?;
+    tx.commit().await?;
+    Ok(records)
+}
+
+/// A step that timed out waiting for a lock is left to the next pass.
+fn unless_locked<T>(step: Result<T, StoreError>) -> Result<Option<T>, StoreError> {
+    match step {
+        Ok(done) => Ok(Some(done)),
+        Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+            tracing::info!(%error, "a pruning step waited too long for a lock: left to the next pass");
+            Ok(None)
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// Runs `statement` (`$1` the cutoff, `$2` the chunk) until it removes
+/// nothing; returns the rows removed.
+async fn remove_in_chunks(
+    client: &Client,
+    statement: &str,
+    cutoff: SystemTime,
+) -> Result<u64, StoreError> {
+    let statement = client.prepare(statement).await?;
+    let mut removed = 0;
+    loop {
+        let chunk = client.execute(&statement, &[&cutoff, &CHUNK]).await?;
+        removed += chunk;
+        if chunk < CHUNK as u64 {
+            return Ok(removed);
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! Epochs and retention: deduplication stays exact across the opening of
+//! an epoch, and a prune drops whole epochs, keeping what a dead letter
+//! still needs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction};
+use idem::points::{PaymentSucceeded, Points};
+use idem::store::{Applier, Store, retention};
+
+use anyhow::Context;
+use idem::broker::Outgoing;
+
+use crate::helpers::{
+    GROUP, TestEnv, WorkerProcess, amqp_url, database_url, idem_command, publish_messages,
+    wait_for, worker_exits_at_once,
+};
+
+/// [`Points`] through the general path: the claim, then the effect in a
+/// statement of its own, then the commit, so that a claim stays open
+/// longer.
+struct Untallied;
+
+impl Handler for Untallied {
+    type Event = PaymentSucceeded;
+    const NAME: &'static str = Points::NAME;
+    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        Points.event_id(event)
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+    ) -> Result<(), HandlerError> {
+        Points.apply(tx, events).await
+    }
+
+    fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
+        None
+    }
+}
+
+const RACERS: usize = 4;
+const ROUNDS: usize = 40;
+const EVENTS_PER_ROUND: usize = 10;
+
+/// Every round, `RACERS` appliers apply the same new events at the same
+/// moment, each in an order of its own, while epochs are opened under
+/// them: each event must go in exactly once.
+async fn duplicates_race_across_new_epochs<H>(handler: H) -> anyhow::Result<()>
+where
+    H: Handler<Event = PaymentSucceeded> + Send + Sync + 'static,
+{
+    let env = TestEnv::new().await?;
+    let store = Store::new(env.pool.clone(), GROUP.to_owned());
+    let applier = Arc::new(Applier::new(store, Arc::new(handler))?);
+    let order = format!("{}-order", env.name);
+    let epochs_before = retention::epochs(&*env.pool.get().await?).await?.len();
+    for round in 0..ROUNDS {
+        let events: Arc<Vec<PaymentSucceeded>> = Arc::new(
+            (0..EVENTS_PER_ROUND)
+                .map(|i| PaymentSucceeded {
+                    event_id: format!("{}-{round}-{i}", env.name),
+                    order_id: order.clone(),
+                    points: 1,
+                })
+                .collect(),
+        );
+        let start = Arc::new(tokio::sync::Barrier::new(RACERS + 1));
+        let mut racers = tokio::task::JoinSet::new();
+        for racer in 0..RACERS {
+            let (applier, events, start) = (applier.clone(), events.clone(), start.clone());
+            racers.spawn(async move {
+                start.wait().await;
+                let mut went_in = 0;
+                for i in 0..events.len() {
+                    let event = &events[(i + racer * 3) % events.len()];
+                    let mut claimed = applier
+                        .apply(&[event])
+                        .await
+                        .map_err(|failure| anyhow::anyhow!("{}", failure.reason))?;
+                    went_in += usize::from(claimed.take(&event.event_id));
+                }
+                anyhow::Ok(went_in)
+            });
+        }
+        let client = env.pool.get().await?;
+        start.wait().await;
+        // Two epochs opened while the racers claim, the second as soon as
+        // the first is current.
+        for _ in 0..2 {
+            retention::open_epoch(&client).await?;
+        }
+        let mut went_in = 0;
+        while let Some(racer) = racers.join_next().await {
+            went_in += racer??;
+        }
+        assert_eq!(went_in, EVENTS_PER_ROUND, "round {round}");
+    }
+
+    let client = env.pool.get().await?;
+    let row = client
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id), count(DISTINCT epoch) \
+             FROM mq_consume_record WHERE consumer_group = $1",
+            &[&GROUP],
+        )
+        .await?;
+    let (records, events, epochs): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    let all = (ROUNDS * EVENTS_PER_ROUND) as i64;
+    assert_eq!((records, events), (all, all));
+    // The records are spread over many epochs: the races were across the
+    // boundaries.
+    assert!(epochs > ROUNDS as i64, "records in only {epochs} epochs");
+    assert_eq!(
+        retention::epochs(&client).await?.len(),
+        epochs_before + 2 * ROUNDS
+    );
+    assert_eq!(env.points(&order).await?, all);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_across_new_epochs_apply_once_in_one_statement() -> anyhow::Result<()> {
+    duplicates_race_across_new_epochs(Points).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_across_new_epochs_apply_once_in_a_longer_transaction()
+-> anyhow::Result<()> {
+    duplicates_race_across_new_epochs(Untallied).await
+}
+
+/// `idem prune` against the test's schema and queues, with the safety
+/// rule's settings given.
+async fn prune(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
+    let mut command = idem_command(env, &amqp_url(), &database_url());
+    command.arg("prune").args(args);
+    let output = command.output().await?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok((output.status.code(), text))
+}
+
+async fn epoch_numbers(env: &TestEnv) -> anyhow::Result<Vec<i32>> {
+    let client = env.pool.get().await?;
+    Ok(retention::epochs(&client)
+        .await?
+        .iter()
+        .map(|epoch| epoch.epoch)
+        .collect())
+}
+
+/// Ages every epoch by `days`, as if the records had been written then.
+async fn age_epochs(env: &TestEnv, days: i32) -> anyhow::Result<()> {
+    env.pool
+        .get()
+        .await?
+        .execute(
+            "UPDATE mq_consume_epoch SET opened_at = opened_at - make_interval(days => $1)",
+            &[&days],
+        )
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter_needs()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let store = Store::new(env.pool.clone(), GROUP.to_owned());
+    let applier = Applier::new(store, Arc::new(Points))?;
+    let event = |n: usize| PaymentSucceeded {
+        event_id: format!("{}-{n}", env.name),
+        order_id: format!("{}-order", env.name),
+        points: 1,
+    };
+    let client = env.pool.get().await?;
+    // Epoch A holds events 1 and 2, epoch B event 3, the current one 4.
+    applier
+        .apply(&[&event(1), &event(2)])
+        .await
+        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    let a = retention::epochs(&client)
+        .await?
+        .last()
+        .context("no epoch")?
+        .epoch;
+    let b = retention::open_epoch(&client).await?;
+    applier
+        .apply(&[&event(3)])
+        .await
+        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    let current = retention::open_epoch(&client).await?;
+    applier
+        .apply(&[&event(4)])
+        .await
+        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    // Old ledger and outbox rows, and new ones.
+    env.sql(
+        "INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, first_failed_at, \
+             last_failed_at, last_error) VALUES \
+             ('old', 'g', 1, now() - interval '30 days', now() - interval '30 days', 'x'), \
+             ('new', 'g', 1, now(), now(), 'x'); \
+         INSERT INTO mq_outbox (message_id, exchange, routing_key, body, sent_at) VALUES \
+             (gen_random_uuid(), 'e', 'k', '', now() - interval '30 days'), \
+             (gen_random_uuid(), 'e', 'k', '', now()), \
+             (gen_random_uuid(), 'e', 'k', '', NULL);",
+    )
+    .await?;
+
+    // A window shorter than the minimum is refused, in one line, and
+    // nothing moves.
+    let (code, text) = prune(&env, &["--older-than", "1d"]).await?;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("shorter than --min-retention (7d)"), "{text}");
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    // So is one the retries take longer than.
+    let (code, text) = prune(
+        &env,
+        &[
+            "--older-than",
+            "1h",
+            "--min-retention",
+            "1h",
+            "--retry-delays",
+            "30m,40m",
+        ],
+    )
+    .await?;
+    assert_eq!(code, Some(1), "{text}");
+    assert!(
+        text.contains("not longer than the retry delays together"),
+        "{text}"
+    );
+
+    // A copy of event 3 waits in the dead-letter queue: a replay after its
+    // record went would apply it again.
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    publish_messages(
+        &env.amqp,
+        &[Outgoing::json("", &dead_letters, event(3).to_body())],
+    )
+    .await?;
+    age_epochs(&env, 10).await?;
+    // The current epoch has been open for longer than an epoch's length:
+    // the prune opens the next.
+    let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains(&format!("kept epoch {b} and later")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("dropped epoch {a} (about 2 consume records)")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("opened epoch {}", current + 1)),
+        "{text}"
+    );
+    assert_eq!(
+        epoch_numbers(&env).await?,
+        vec![b, current, current + 1],
+        "{text}"
+    );
+    assert_eq!(env.records_of(&event(1).event_id, GROUP).await?, 0);
+    assert_eq!(env.records_of(&event(3).event_id, GROUP).await?, 1);
+    assert_eq!(env.count_rows("mq_failure_ledger").await?, 1);
+    assert_eq!(env.count_rows("mq_outbox").await?, 2);
+
+    // Once the dead letter is gone, its epoch goes too; the one closed
+    // just now stays, whatever the age of its records.
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_purge(dead_letters.as_str().into(), Default::default())
+        .await?;
+    connection.close(200, "OK".into()).await?;
+    let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("opened epoch"), "{text}");
+    assert_eq!(
+        epoch_numbers(&env).await?,
+        vec![current, current + 1],
+        "{text}"
+    );
+    assert_eq!(env.records_of(&event(3).event_id, GROUP).await?, 0);
+    assert_eq!(env.records_of(&event(4).event_id, GROUP).await?, 1);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_short()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let mut command = idem_command(&env, &amqp_url(), &database_url());
+    command.env(idem::vars::RETENTION, "1d");
+    let line = worker_exits_at_once(command).await?;
+    assert!(
+        line.contains("--retention: a window of 1d is shorter than --min-retention (7d)"),
+        "{line}"
+    );
+
+    let client = env.pool.get().await?;
+    let second = retention::open_epoch(&client).await?;
+    age_epochs(&env, 10).await?;
+    let mut command = idem_command(&env, &amqp_url(), &database_url());
+    command.args(["worker", "--retention", "8d", "--prune-interval", "100ms"]);
+    let worker = WorkerProcess::start(command)?;
+    // The first epoch is past the window; the second, current for longer
+    // than half of it, is closed and stays.
+    wait_for("the worker's pruner", Duration::from_secs(30), || async {
+        Ok(epoch_numbers(&env).await? == vec![second, second + 1])
+    })
+    .await?;
+    worker.stop().await?;
+    Ok(())
+}
