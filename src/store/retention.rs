@@ -110,7 +110,8 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
         ))
         .await?;
     let mut pruned = Pruned::default();
-    let now = SystemTime::now();
+    // The database's clock, which dated the epochs and the rows.
+    let now: SystemTime = client.query_one("SELECT now()", &[]).await?.try_get(0)?;
     let cutoff = now
         .checked_sub(config.older_than)
         .unwrap_or(SystemTime::UNIX_EPOCH);
