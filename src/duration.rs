@@ -49,8 +49,8 @@ pub fn format(duration: Duration) -> String {
     }
 }
 
-/// [`format`], in whole days when it is some (`7d`): for windows of
-/// retention. Queue names keep [`format`], which never says days.
+/// [`format()`], in whole days when it is some (`7d`): for windows of
+/// retention. Queue names keep [`format()`], which never says days.
 pub fn format_days(duration: Duration) -> String {
     let seconds = duration.as_secs();
     if seconds > 0 && seconds.is_multiple_of(86_400) && duration.subsec_nanos() == 0 {

@@ -850,7 +850,7 @@ impl std::str::FromStr for Wait {
 
 impl fmt::Display for Wait {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&duration::format(self.0))
+        f.write_str(&duration::format_days(self.0))
     }
 }
 
