@@ -10,7 +10,6 @@ use tokio_util::sync::CancellationToken;
 use super::dlq::{self, Action, DlqConfig};
 use crate::handler::Handler;
 use crate::store::retention::{self, PruneConfig, Pruned};
-use crate::store::{ReadyError, Store};
 
 /// `idem prune`'s settings.
 #[derive(Debug, Clone)]
@@ -89,17 +88,9 @@ pub async fn run<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Outcome> {
     settings.check_window()?;
-    let pool = settings.target.database.pool()?;
-    let store = Store::new(pool.clone(), settings.target.consumer_group.clone());
-    match store
-        .wait_until_ready::<H>(settings.target.patience, shutdown)
-        .await
-    {
-        Err(ReadyError::Interrupted) => return Ok(Outcome::default()),
-        ready => ready?,
-    }
     // The dead letters an operator may replay: an event among them that
-    // this group applied (another copy of it did) keeps its record.
+    // this group applied (another copy of it did) keeps its record. The
+    // listing waits for the database first, and says if it is not migrated.
     let letters = dlq::run(&settings.target, &Action::List, handler, shutdown).await?;
     if let Some(why) = &letters.ledger_unavailable {
         bail!("cannot tell which dead letters were applied, so nothing is pruned: {why}");
@@ -107,6 +98,7 @@ pub async fn run<H: Handler>(
     if shutdown.is_cancelled() {
         return Ok(Outcome::default());
     }
+    let pool = settings.target.database.pool()?;
     let applied: Vec<&str> = letters
         .listed
         .iter()

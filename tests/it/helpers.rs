@@ -1355,3 +1355,54 @@ fn newest(dir: &std::path::Path) -> anyhow::Result<std::time::SystemTime> {
     }
     Ok(latest)
 }
+
+/// A handler through idem's general path: `H` in every way but its tally,
+/// so that idem claims, calls `apply`, writes the outbox rows, and commits,
+/// each a statement of its own.
+pub struct Untallied<H>(pub H);
+
+impl<H: idem::handler::Handler> idem::handler::Handler for Untallied<H> {
+    type Event = H::Event;
+    const NAME: &'static str = H::NAME;
+    const MIGRATIONS: &'static [idem::handler::Migration] = H::MIGRATIONS;
+    const SENDS_MESSAGES: bool = H::SENDS_MESSAGES;
+
+    fn decode(&self, body: &[u8]) -> Result<H::Event, idem::handler::Invalid> {
+        self.0.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e H::Event) -> &'e str {
+        self.0.event_id(event)
+    }
+
+    async fn apply(
+        &self,
+        tx: &idem::handler::Transaction<'_>,
+        events: &[&H::Event],
+    ) -> Result<(), idem::handler::HandlerError> {
+        self.0.apply(tx, events).await
+    }
+
+    fn classify(&self, error: &tokio_postgres::Error) -> idem::handler::FailureKind {
+        self.0.classify(error)
+    }
+
+    fn outgoing(&self, event: &H::Event) -> Vec<idem::handler::OutboxMessage> {
+        self.0.outgoing(event)
+    }
+
+    fn tally(&self) -> Option<idem::handler::Tally<H::Event>> {
+        None
+    }
+}
+
+/// `applier.apply(events)`, its failure as an error.
+pub async fn apply<'e, H: idem::handler::Handler>(
+    applier: &idem::store::Applier<H>,
+    events: &[&'e H::Event],
+) -> anyhow::Result<idem::store::Claimed<'e>> {
+    applier
+        .apply(events)
+        .await
+        .map_err(|failure| anyhow::anyhow!("{}", failure.reason))
+}

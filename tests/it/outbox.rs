@@ -14,8 +14,8 @@ use idem::relay::IDEMPOTENCY_KEY;
 use idem::worker::Mode;
 
 use crate::helpers::{
-    DeadLetter, GROUP, RunningWorker, TestEnv, Vhost, WorkerProcess, amqp_url, database_url,
-    example_binary, idem_command, load, wait_for,
+    DeadLetter, GROUP, RunningWorker, TestEnv, Untallied, Vhost, WorkerProcess, amqp_url,
+    database_url, example_binary, idem_command, load, wait_for,
 };
 
 /// A queue of the test's own that receives every `points.credited` sent to
@@ -147,41 +147,6 @@ async fn every_credit_is_announced_once_under_a_key_of_its_own() -> anyhow::Resu
     Ok(())
 }
 
-/// [`Announcing`] through the general path: no tally, so idem calls
-/// `apply` and writes the outbox rows after it.
-struct General(Announcing);
-
-impl Handler for General {
-    type Event = PaymentSucceeded;
-    const NAME: &'static str = Points::NAME;
-    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
-    const SENDS_MESSAGES: bool = true;
-
-    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
-        self.0.decode(body)
-    }
-
-    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
-        self.0.event_id(event)
-    }
-
-    async fn apply(
-        &self,
-        tx: &Transaction<'_>,
-        events: &[&PaymentSucceeded],
-    ) -> Result<(), HandlerError> {
-        self.0.apply(tx, events).await
-    }
-
-    fn outgoing(&self, event: &PaymentSucceeded) -> Vec<idem::handler::OutboxMessage> {
-        self.0.outgoing(event)
-    }
-
-    fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
-        None
-    }
-}
-
 async fn an_effect_that_rolls_back_sends_nothing<H: Handler<Event = PaymentSucceeded>>(
     handler: H,
 ) -> anyhow::Result<()> {
@@ -213,7 +178,7 @@ async fn an_effect_that_rolls_back_sends_nothing_and_a_duplicate_sends_nothing_a
 -> anyhow::Result<()> {
     let exchange = "unused";
     an_effect_that_rolls_back_sends_nothing(Points.announcing(exchange)).await?;
-    an_effect_that_rolls_back_sends_nothing(General(Points.announcing(exchange))).await
+    an_effect_that_rolls_back_sends_nothing(Untallied(Points.announcing(exchange))).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,48 +5,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction};
+use anyhow::Context;
+use idem::broker::Outgoing;
+use idem::handler::Handler;
 use idem::points::{PaymentSucceeded, Points};
 use idem::store::{Applier, Store, retention};
 
-use anyhow::Context;
-use idem::broker::Outgoing;
-
 use crate::helpers::{
-    GROUP, TestEnv, WorkerProcess, amqp_url, database_url, idem_command, publish_messages,
-    wait_for, worker_exits_at_once,
+    GROUP, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url, idem_command,
+    publish_messages, wait_for, worker_exits_at_once,
 };
-
-/// [`Points`] through the general path: the claim, then the effect in a
-/// statement of its own, then the commit, so that a claim stays open
-/// longer.
-struct Untallied;
-
-impl Handler for Untallied {
-    type Event = PaymentSucceeded;
-    const NAME: &'static str = Points::NAME;
-    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
-
-    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
-        Points.decode(body)
-    }
-
-    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
-        Points.event_id(event)
-    }
-
-    async fn apply(
-        &self,
-        tx: &Transaction<'_>,
-        events: &[&PaymentSucceeded],
-    ) -> Result<(), HandlerError> {
-        Points.apply(tx, events).await
-    }
-
-    fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
-        None
-    }
-}
 
 const RACERS: usize = 4;
 const ROUNDS: usize = 40;
@@ -83,10 +51,7 @@ where
                 let mut went_in = 0;
                 for i in 0..events.len() {
                     let event = &events[(i + racer * 3) % events.len()];
-                    let mut claimed = applier
-                        .apply(&[event])
-                        .await
-                        .map_err(|failure| anyhow::anyhow!("{}", failure.reason))?;
+                    let mut claimed = apply(&applier, &[event]).await?;
                     went_in += usize::from(claimed.take(&event.event_id));
                 }
                 anyhow::Ok(went_in)
@@ -136,7 +101,7 @@ async fn duplicates_racing_across_new_epochs_apply_once_in_one_statement() -> an
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_racing_across_new_epochs_apply_once_in_a_longer_transaction()
 -> anyhow::Result<()> {
-    duplicates_race_across_new_epochs(Untallied).await
+    duplicates_race_across_new_epochs(Untallied(Points)).await
 }
 
 /// `idem prune` against the test's schema and queues, with the safety
@@ -188,25 +153,16 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     };
     let client = env.pool.get().await?;
     // Epoch A holds events 1 and 2, epoch B event 3, the current one 4.
-    applier
-        .apply(&[&event(1), &event(2)])
-        .await
-        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    apply(&applier, &[&event(1), &event(2)]).await?;
     let a = retention::epochs(&client)
         .await?
         .last()
         .context("no epoch")?
         .epoch;
     let b = retention::open_epoch(&client).await?;
-    applier
-        .apply(&[&event(3)])
-        .await
-        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    apply(&applier, &[&event(3)]).await?;
     let current = retention::open_epoch(&client).await?;
-    applier
-        .apply(&[&event(4)])
-        .await
-        .map_err(|f| anyhow::anyhow!(f.reason))?;
+    apply(&applier, &[&event(4)]).await?;
     // Old ledger and outbox rows, and new ones.
     env.sql(
         "INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, first_failed_at, \

@@ -419,17 +419,33 @@ pub(crate) struct PruneArgs {
 impl PruneArgs {
     /// Settings of `idem prune`.
     pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
-        Ok(PruneSettings {
-            target: self.target.config(Filter::default(), None)?,
-            older_than: self.older_than.0,
-            min_retention: self.retention.min_retention.0,
-            retry_delays: self.retry_delays.0.clone(),
+        Ok(self.retention.settings(
+            self.target.config(Filter::default(), None)?,
+            self.older_than.0,
+            &self.retry_delays,
+        ))
+    }
+}
+
+impl RetentionArgs {
+    /// A prune's settings over `target`, for a window of `older_than`.
+    fn settings(
+        &self,
+        target: DlqConfig,
+        older_than: Duration,
+        retry_delays: &Delays,
+    ) -> PruneSettings {
+        PruneSettings {
+            target,
+            older_than,
+            min_retention: self.min_retention.0,
+            retry_delays: retry_delays.0.clone(),
             epoch_length: PruneSettings::epoch_length(
-                self.older_than.0,
-                self.retention.epoch_length.as_ref().map(|length| length.0),
+                older_than,
+                self.epoch_length.as_ref().map(|length| length.0),
             ),
             lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
-        })
+        }
     }
 }
 
@@ -940,28 +956,18 @@ impl WorkerArgs {
         let Some(window) = &self.retention else {
             return Ok(None);
         };
-        let settings = PruneSettings {
-            target: DlqConfig {
-                amqp: self.amqp.config(),
-                database: self.database.config(2),
-                consumer_group: self.group.consumer_group()?,
-                dead_letter_queue: self.queues.dead_letters.dead_letter_queue.clone(),
-                filter: Filter::default(),
-                limit: None,
-                patience: self.wait.startup_timeout.0,
-            },
-            older_than: window.0,
-            min_retention: self.retention_rules.min_retention.0,
-            retry_delays: self.queues.retry_delays.0.clone(),
-            epoch_length: PruneSettings::epoch_length(
-                window.0,
-                self.retention_rules
-                    .epoch_length
-                    .as_ref()
-                    .map(|length| length.0),
-            ),
-            lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
+        let target = DlqConfig {
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            consumer_group: self.group.consumer_group()?,
+            dead_letter_queue: self.queues.dead_letters.dead_letter_queue.clone(),
+            filter: Filter::default(),
+            limit: None,
+            patience: self.wait.startup_timeout.0,
         };
+        let settings = self
+            .retention_rules
+            .settings(target, window.0, &self.queues.retry_delays);
         settings
             .check_window()
             .map_err(|error| SettingError(format!("--retention: {error}")))?;
