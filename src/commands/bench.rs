@@ -632,10 +632,12 @@ impl<'a> Bench<'a> {
                 .await?;
             client
                 .execute(
-                    "INSERT INTO mq_consume_record (event_id, consumer_group, consumed_at, epoch) \
-                     SELECT gen_random_uuid()::text, $1, \
+                    "INSERT INTO mq_consume_record \
+                         (event_id, consumer_group, digest, consumed_at, epoch) \
+                     SELECT id, $1, mq_digest($1, id), \
                          now() - make_interval(days => $3::int), $4 \
-                     FROM generate_series(1, $2::bigint)",
+                     FROM (SELECT gen_random_uuid()::text AS id \
+                           FROM generate_series(1, $2::bigint)) AS ids",
                     &[
                         &points::CONSUMER_GROUP,
                         &rows,
@@ -648,7 +650,7 @@ impl<'a> Bench<'a> {
             client
                 .batch_execute(&format!(
                     "ALTER TABLE {partition} \
-                     ADD CONSTRAINT {partition}_key UNIQUE (event_id, consumer_group)"
+                     ADD CONSTRAINT {partition}_key UNIQUE (digest)"
                 ))
                 .await?;
         }
@@ -925,6 +927,8 @@ const PGBENCH_EVENT_IDS: &str = "ARRAY['pgbench-' || :event]::varchar[]";
 const PGBENCH_GROUP: &str = "'pgbench'";
 const PGBENCH_ORDERS: &str = "ARRAY['order-' || :order]::varchar[]";
 const PGBENCH_POINTS: &str = "ARRAY[7]::bigint[]";
+/// The event's digest, as the worker computes it.
+const PGBENCH_DIGESTS: &str = "ARRAY[mq_digest('pgbench', 'pgbench-' || :event)]";
 
 /// Per-message mode's transaction, as pgbench runs it: idem's own claim
 /// statement for the points tally with one event.
@@ -932,9 +936,10 @@ fn pgbench_script() -> String {
     let tally = Points.tally().unwrap_or(points::POINTS);
     let statement = crate::store::claim_and_tally_statement(&tally)
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
+        .replace("$3::uuid[]", PGBENCH_DIGESTS)
         .replace("$2", PGBENCH_GROUP)
-        .replace("$3::varchar[]", PGBENCH_ORDERS)
-        .replace("$4::bigint[]", PGBENCH_POINTS);
+        .replace("$4::varchar[]", PGBENCH_ORDERS)
+        .replace("$5::bigint[]", PGBENCH_POINTS);
     format!("{PGBENCH_VARIABLES}{statement};\n")
 }
 
@@ -944,6 +949,7 @@ fn pgbench_general_script() -> String {
     let [claim, effect, clear] = crate::store::general_path_statements(&points::POINTS);
     let claim = claim
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
+        .replace("$3::uuid[]", PGBENCH_DIGESTS)
         .replace("$2", PGBENCH_GROUP);
     let effect = effect
         .replace("$2::bigint[]", PGBENCH_POINTS)

@@ -197,8 +197,7 @@ pub async fn run<H: Handler>(
         let ids: Vec<&str> = events.iter().map(|(id, _)| id.as_str()).collect();
         let recorded: HashSet<String> = client
             .query(
-                "SELECT event_id::text FROM mq_consume_record \
-                 WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])",
+                "SELECT event_id::text FROM mq_recorded($1::varchar[], $2::varchar)",
                 &[&ids, &group],
             )
             .await?

@@ -164,6 +164,7 @@ impl<H: Handler> Applier<H> {
         let ids: Vec<&'e str> = distinct.iter().map(|e| handler.event_id(e)).collect();
         let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let group = self.store.consumer_group();
+        let digests = claim::digests(group, &ids);
         let database = |error| self.database_failure(&error);
 
         if let Some((tally, statement)) = &self.tally {
@@ -172,7 +173,7 @@ impl<H: Handler> Applier<H> {
             // joins them to its claim.
             let sent = Rows::of(handler, group, &distinct);
             let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                vec![&ids, &group, &keys, &amounts];
+                vec![&ids, &group, &digests, &keys, &amounts];
             let statement = match &self.tally_and_send {
                 Some(sending) if !sent.is_empty() => {
                     params.extend(sent.params());
@@ -188,7 +189,7 @@ impl<H: Handler> Applier<H> {
         let tx = client.transaction().await.map_err(database)?;
         let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
         let rows = tx
-            .query(&statement, &[&ids, &group])
+            .query(&statement, &[&ids, &group, &digests])
             .await
             .map_err(database)?;
         let claimed = claimed(&ids, &rows).map_err(database)?;

@@ -1,23 +1,48 @@
 //! The consume record: `INSERT … ON CONFLICT DO NOTHING` decides which
 //! delivery owns an event's effect.
 
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+
 use super::ledger;
 use crate::handler::Tally;
 
 /// The `claimed` step: a consume record for each event id of `$1`
-/// (distinct) in consumer group `$2` (`mq_claim`: in the current epoch,
-/// for the ids no epoch holds, in id order so that concurrent batches take
-/// the unique index's locks in one order). Yields the ids that went in; an
-/// id it does not yield was recorded before (or by a concurrent transaction
-/// that committed first): a duplicate.
+/// (distinct) in consumer group `$2`, `$3` their [`digest`]s index for
+/// index (`mq_claim`: in the current epoch, for the ids no epoch holds, in
+/// digest order so that concurrent batches take the unique index's locks
+/// in one order). Yields the ids that went in; an id it does not yield was
+/// recorded before (or by a concurrent transaction that committed first):
+/// a duplicate. An id whose digest another one holds fails the statement.
 const CLAIMED: &str = "\
     claimed AS (\
-        SELECT claim.event_id FROM mq_claim($1::varchar[], $2::varchar) AS claim(event_id))";
+        SELECT claim.event_id \
+        FROM mq_claim($1::varchar[], $3::uuid[], $2::varchar) AS claim(event_id))";
 
 /// The event ids of `$1` recorded for consumer group `$2`: applied already.
-pub(super) const RECORDED: &str = "\
-    SELECT event_id FROM mq_consume_record \
-    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])";
+pub(super) const RECORDED: &str = "SELECT event_id FROM mq_recorded($1::varchar[], $2::varchar)";
+
+/// The key of an event's consume record in `consumer_group` (`mq_digest`
+/// in SQL): the first 16 bytes of the SHA-256 of the group, a zero byte
+/// and the event id. Computed here, it costs the database nothing.
+pub fn digest(consumer_group: &str, event_id: &str) -> Uuid {
+    let hash = Sha256::new()
+        .chain_update(consumer_group)
+        .chain_update([0])
+        .chain_update(event_id)
+        .finalize();
+    let mut bytes = [0; 16];
+    bytes.copy_from_slice(&hash[..16]);
+    Uuid::from_bytes(bytes)
+}
+
+/// The [`digest`]s of `event_ids`, index for index: the claim's `$3`.
+pub(super) fn digests(consumer_group: &str, event_ids: &[&str]) -> Vec<Uuid> {
+    event_ids
+        .iter()
+        .map(|id| digest(consumer_group, id))
+        .collect()
+}
 
 /// The claim of a transaction whose effect the handler applies afterwards,
 /// in the same transaction. Parameters as for [`CLAIMED`].
@@ -28,7 +53,8 @@ pub(super) fn claim_statement() -> String {
 /// Claim, ledger clear and a [`Tally`]'s effect as one statement: a
 /// statement is a transaction of its own, so this is one round trip and one
 /// commit per batch. `$1` event ids (distinct), `$2` the consumer group,
-/// `$3` the tally's keys and `$4` its amounts, index for index with `$1`;
+/// `$3` the ids' [`digest`]s, `$4` the tally's keys and `$5` its amounts,
+/// index for index with `$1`;
 /// yields the event ids that went in. The tally's names must be plain
 /// identifiers (checked when the statement is built for a worker). Public
 /// for tools that measure it (`idem bench --pgbench`).
@@ -37,9 +63,9 @@ pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
 }
 
 /// [`claim_and_tally_statement`], and the outbox rows of the events that
-/// went in: `$5`…`$11` as [`super::outbox::Rows`].
+/// went in: `$6`…`$12` as [`super::outbox::Rows`].
 pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>) -> String {
-    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(5)))
+    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(6)))
 }
 
 /// The claim and tally statement with `steps` (each ending in `, `) added.
@@ -52,7 +78,7 @@ fn claim_tally_then<E>(tally: &Tally<E>, steps: &str) -> String {
          tallied AS (\
             INSERT INTO {table} ({key}, {amount}) \
             SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
-            FROM unnest($1::varchar[], $3::varchar[], $4::bigint[]) \
+            FROM unnest($1::varchar[], $4::varchar[], $5::bigint[]) \
                 AS batch(event_id, tally_key, tally_amount) \
             JOIN claimed USING (event_id) \
             GROUP BY batch.tally_key ORDER BY batch.tally_key \
@@ -79,9 +105,10 @@ pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
 }
 
 /// The statements of the general path for a tally's effect, in order
-/// (inside BEGIN … COMMIT): the claim (`$1` event ids, `$2` the group), the
-/// effect (`$1` keys, `$2` amounts), the ledger clear (as the claim). For
-/// tools that measure it (`idem bench --pgbench`).
+/// (inside BEGIN … COMMIT): the claim (`$1` event ids, `$2` the group, `$3`
+/// their digests), the effect (`$1` keys, `$2` amounts), the ledger clear
+/// (`$1` and `$2` as the claim). For tools that measure it (`idem bench
+/// --pgbench`).
 pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
     [
         claim_statement(),
@@ -97,4 +124,27 @@ fn upsert<E>(tally: &Tally<E>) -> String {
         table, key, amount, ..
     } = tally;
     format!("ON CONFLICT ({key}) DO UPDATE SET {amount} = {table}.{amount} + EXCLUDED.{amount}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The values `mq_digest` gives (migration 0006): a record claimed by
+    /// SQL and one claimed here must share their key.
+    #[test]
+    fn the_digest_is_the_one_sql_computes() {
+        for (group, id, sql) in [
+            ("points", "pay-1", "99770f1f-0e5b-bb69-9fc7-6107f5ab7c0e"),
+            ("", "", "6e340b9c-ffb3-7a98-9ca5-44e6bb780a2c"),
+            ("grüppe", "é", "0428f540-d6d7-0f4e-5816-83f5a905dbe6"),
+        ] {
+            assert_eq!(digest(group, id).to_string(), sql, "{group:?} {id:?}");
+        }
+    }
+
+    #[test]
+    fn the_group_and_the_id_are_kept_apart() {
+        assert_ne!(digest("ab", "c"), digest("a", "bc"));
+    }
 }

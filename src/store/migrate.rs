@@ -28,6 +28,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(3, "0003_handler_migrations.sql"),
     migration!(4, "0004_outbox.sql"),
     migration!(5, "0005_consume_record_epochs.sql"),
+    migration!(6, "0006_consume_record_digest_key.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -201,6 +202,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 5);
+        assert_eq!(latest(MIGRATIONS), 6);
     }
 }

@@ -26,8 +26,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 pub use apply::{Applier, Claimed, Failure, apply_tally};
-pub use claim::claim_and_tally_statement;
 pub(crate) use claim::general_path_statements;
+pub use claim::{claim_and_tally_statement, digest};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
 pub use ledger::LedgerEntry;

@@ -161,9 +161,8 @@ pub async fn oldest_epoch_of(
 ) -> Result<Option<i32>, StoreError> {
     Ok(client
         .query_one(
-            "SELECT min(epoch) FROM mq_consume_record \
-             WHERE consumer_group = $1 AND event_id = ANY($2::varchar[])",
-            &[&consumer_group, &event_ids],
+            "SELECT min(epoch) FROM mq_recorded($1::varchar[], $2::varchar)",
+            &[&event_ids, &consumer_group],
         )
         .await?
         .try_get(0)?)

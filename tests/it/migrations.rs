@@ -98,6 +98,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0003_handler_migrations.sql",
             "0004_outbox.sql",
             "0005_consume_record_epochs.sql",
+            "0006_consume_record_digest_key.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -129,6 +130,83 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
         .pool
         .get()
         .await?
+        .query_one(
+            "SELECT points FROM user_points WHERE order_id = 'order-1'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(points, 105);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_of_an_epoch_keyed_by_text_still_deduplicate_after_the_digest_key()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let old = Schema::beside(&env, "text")?;
+    // What idem's migrate left with epochs, before the digest key: its
+    // first five migrations, and the records of a worker of then.
+    old.sql(&format!(
+        "CREATE SCHEMA {name};
+         CREATE TABLE {name}.idem_schema_migrations (
+             version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+             applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
+        name = old.name
+    ))
+    .await?;
+    for migration in &MIGRATIONS[..5] {
+        old.sql(migration.sql).await?;
+        old.sql(&format!(
+            "INSERT INTO idem_schema_migrations (version, name) VALUES ({}, '{}')",
+            migration.version, migration.name
+        ))
+        .await?;
+    }
+    let id = |n: u32| format!("{}-{n}", env.name);
+    old.sql(&format!(
+        "INSERT INTO user_points VALUES ('order-1', 100);
+         SELECT mq_claim(ARRAY['{}'], '{GROUP}');",
+        id(1)
+    ))
+    .await?;
+
+    let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    assert_eq!(applied[0], "0006_consume_record_digest_key.sql");
+    // The epoch keyed by text is kept, closed; claims go to one keyed by
+    // digest. A claim of an idem from before, computing the digest in SQL,
+    // still runs, and the worker's digest is the same.
+    let client = old.pool.get().await?;
+    let epochs: Vec<(i32, bool)> = client
+        .query(
+            "SELECT epoch, by_digest FROM mq_consume_epoch ORDER BY epoch",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    assert_eq!(epochs, vec![(1, false), (2, true)]);
+    client
+        .batch_execute(&format!("SELECT mq_claim(ARRAY['{}'], '{GROUP}')", id(2)))
+        .await?;
+
+    let events: Vec<PaymentSucceeded> = (1..=3)
+        .map(|n| PaymentSucceeded {
+            event_id: id(n),
+            order_id: "order-1".into(),
+            points: 5,
+        })
+        .collect();
+    env.publish_events(&events).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.database.schema = Some(old.name.clone());
+    let worker = RunningWorker::start(config);
+    worker.wait_finished(3, Duration::from_secs(20)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (1, 2));
+    let points: i64 = client
         .query_one(
             "SELECT points FROM user_points WHERE order_id = 'order-1'",
             &[],
