@@ -79,16 +79,19 @@ BEGIN
         RETURNING record.event_id)
     SELECT array_agg(went_in.event_id) INTO inserted FROM went_in;
     -- What did not go in is a duplicate, unless another id holds its digest
-    -- (looked up for those only).
+    -- (looked up for those only, as a lookup in the current partition's key
+    -- whatever its statistics say).
     WITH skipped AS MATERIALIZED (
         SELECT claim.event_id, claim.digest
         FROM unnest(event_ids, digests) AS claim(event_id, digest)
         WHERE claim.event_id NOT IN (SELECT unnest(inserted)))
-    SELECT skipped.event_id AS event_id, record.event_id AS holder INTO clash
+    SELECT skipped.event_id AS event_id, holder.event_id AS holder INTO clash
         FROM skipped
-        JOIN mq_consume_record AS record
-          ON record.epoch = current AND record.digest = skipped.digest
-        WHERE record.event_id <> skipped.event_id
+        CROSS JOIN LATERAL (
+            SELECT record.event_id FROM mq_consume_record AS record
+            WHERE record.epoch = current AND record.digest = skipped.digest
+            LIMIT 1) AS holder
+        WHERE holder.event_id <> skipped.event_id
         LIMIT 1;
     IF FOUND THEN
         RAISE EXCEPTION 'event % shares its digest with event %, recorded before',
@@ -108,7 +111,9 @@ RETURNS SETOF VARCHAR LANGUAGE sql AS $$
                     consumer)
 $$;
 
--- The epoch of each of `event_ids` that consumer group `consumer` recorded.
+-- The epoch of each of `event_ids` that consumer group `consumer` recorded
+-- (one at most: a claim never records an id an older epoch holds), each a
+-- lookup in one unique index.
 CREATE FUNCTION mq_recorded(event_ids VARCHAR[], consumer VARCHAR)
 RETURNS TABLE (event_id VARCHAR, epoch INTEGER) LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -116,17 +121,20 @@ DECLARE
 BEGIN
     SELECT min(e.epoch) FILTER (WHERE by_digest) INTO keyed FROM mq_consume_epoch AS e;
     RETURN QUERY
-        SELECT record.event_id, record.epoch
+        SELECT id.event_id, found.epoch
         FROM unnest(event_ids) AS id(event_id)
-        JOIN mq_consume_record AS record
-          ON record.epoch >= keyed AND record.digest = mq_digest(consumer, id.event_id)
-         AND record.event_id = id.event_id
-        UNION ALL
-        SELECT record.event_id, record.epoch
-        FROM unnest(event_ids) AS id(event_id)
-        JOIN mq_consume_record AS record
-          ON record.epoch < keyed AND record.event_id = id.event_id
-         AND record.consumer_group = consumer;
+        CROSS JOIN LATERAL (
+            (SELECT record.epoch FROM mq_consume_record AS record
+             WHERE record.epoch >= keyed
+               AND record.digest = mq_digest(consumer, id.event_id)
+               AND record.event_id = id.event_id
+             LIMIT 1)
+            UNION ALL
+            (SELECT record.epoch FROM mq_consume_record AS record
+             WHERE record.epoch < keyed
+               AND record.event_id = id.event_id AND record.consumer_group = consumer
+             LIMIT 1)
+            LIMIT 1) AS found;
 END
 $$;
 
