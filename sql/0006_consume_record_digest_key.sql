@@ -46,41 +46,56 @@ $$;
 
 -- The claim, as in 0005, with each id's digest (`digests`, index for index
 -- with `event_ids`): in digest order, the order of the current partition's
--- key. The epochs keyed by digest are looked into by digest and id, those
--- from before by id and group; each look stays a lookup in one unique
--- index. A digest that another event holds in the current epoch is an
--- error naming both ids, never a duplicate.
+-- key. The closed epochs keyed by digest are looked into by digest and id,
+-- those from before by id and group: each look is a lookup in one unique
+-- index, made only when there are such epochs (with one partition left to
+-- look into, PostgreSQL does not leave it out of a kept plan when it is
+-- not one to look into). A digest that another id holds in the current
+-- epoch is an error naming both ids, never a duplicate.
+--
+-- A session keeps the plans of a function's statements. One made while the
+-- current partition was small could read it whole from then on, so the
+-- function's plans use no sequential scan (the epochs' table aside, which
+-- has a few rows).
 CREATE FUNCTION mq_claim(event_ids VARCHAR[], digests UUID[], consumer VARCHAR)
-RETURNS SETOF VARCHAR LANGUAGE plpgsql AS $$
+RETURNS SETOF VARCHAR LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     current  INTEGER;
     keyed    INTEGER;
+    by_text  BOOLEAN;
     lock     INTEGER[] := mq_epoch_lock();
     inserted VARCHAR[];
     clash    RECORD;
 BEGIN
     PERFORM pg_advisory_xact_lock_shared(lock[1], lock[2]);
-    SELECT max(epoch), min(epoch) FILTER (WHERE by_digest) INTO current, keyed
+    SELECT max(epoch), min(epoch) FILTER (WHERE by_digest), bool_or(NOT by_digest)
+        INTO current, keyed, by_text
         FROM mq_consume_epoch;
+    IF by_text THEN
+        -- Left out: the ids an epoch from before the digest key holds.
+        SELECT coalesce(array_agg(claim.event_id), '{}'), coalesce(array_agg(claim.digest), '{}')
+            INTO event_ids, digests
+            FROM unnest(event_ids, digests) AS claim(event_id, digest)
+            WHERE (SELECT 1 FROM mq_consume_record AS older
+                   WHERE older.epoch < keyed
+                     AND older.event_id = claim.event_id AND older.consumer_group = consumer
+                   LIMIT 1) IS NULL;
+    END IF;
     WITH went_in AS (
         INSERT INTO mq_consume_record AS record (event_id, consumer_group, digest, epoch)
         SELECT claim.event_id, consumer, claim.digest, current
         FROM unnest(event_ids, digests) AS claim(event_id, digest)
         WHERE (SELECT 1 FROM mq_consume_record AS older
-               WHERE older.epoch < current AND older.epoch >= keyed
+               WHERE keyed < current
+                 AND older.epoch < current AND older.epoch >= keyed
                  AND older.digest = claim.digest AND older.event_id = claim.event_id
-               LIMIT 1) IS NULL
-          AND (SELECT 1 FROM mq_consume_record AS older
-               WHERE older.epoch < keyed
-                 AND older.event_id = claim.event_id AND older.consumer_group = consumer
                LIMIT 1) IS NULL
         ORDER BY claim.digest
         ON CONFLICT DO NOTHING
         RETURNING record.event_id)
     SELECT array_agg(went_in.event_id) INTO inserted FROM went_in;
     -- What did not go in is a duplicate, unless another id holds its digest
-    -- (looked up for those only, as a lookup in the current partition's key
-    -- whatever its statistics say).
+    -- (looked up for those only).
     WITH skipped AS MATERIALIZED (
         SELECT claim.event_id, claim.digest
         FROM unnest(event_ids, digests) AS claim(event_id, digest)
@@ -113,28 +128,35 @@ $$;
 
 -- The epoch of each of `event_ids` that consumer group `consumer` recorded
 -- (one at most: a claim never records an id an older epoch holds), each a
--- lookup in one unique index.
+-- lookup in one unique index, as in the claim.
 CREATE FUNCTION mq_recorded(event_ids VARCHAR[], consumer VARCHAR)
-RETURNS TABLE (event_id VARCHAR, epoch INTEGER) LANGUAGE plpgsql STABLE AS $$
+RETURNS TABLE (event_id VARCHAR, epoch INTEGER) LANGUAGE plpgsql STABLE
+SET enable_seqscan = off AS $$
 DECLARE
-    keyed INTEGER;
+    keyed   INTEGER;
+    by_text BOOLEAN;
 BEGIN
-    SELECT min(e.epoch) FILTER (WHERE by_digest) INTO keyed FROM mq_consume_epoch AS e;
+    SELECT min(e.epoch) FILTER (WHERE by_digest), bool_or(NOT by_digest) INTO keyed, by_text
+        FROM mq_consume_epoch AS e;
     RETURN QUERY
         SELECT id.event_id, found.epoch
         FROM unnest(event_ids) AS id(event_id)
         CROSS JOIN LATERAL (
-            (SELECT record.epoch FROM mq_consume_record AS record
-             WHERE record.epoch >= keyed
-               AND record.digest = mq_digest(consumer, id.event_id)
-               AND record.event_id = id.event_id
-             LIMIT 1)
-            UNION ALL
-            (SELECT record.epoch FROM mq_consume_record AS record
-             WHERE record.epoch < keyed
-               AND record.event_id = id.event_id AND record.consumer_group = consumer
-             LIMIT 1)
+            SELECT record.epoch FROM mq_consume_record AS record
+            WHERE record.epoch >= keyed
+              AND record.digest = mq_digest(consumer, id.event_id)
+              AND record.event_id = id.event_id
             LIMIT 1) AS found;
+    IF by_text THEN
+        RETURN QUERY
+            SELECT id.event_id, found.epoch
+            FROM unnest(event_ids) AS id(event_id)
+            CROSS JOIN LATERAL (
+                SELECT record.epoch FROM mq_consume_record AS record
+                WHERE record.epoch < keyed
+                  AND record.event_id = id.event_id AND record.consumer_group = consumer
+                LIMIT 1) AS found;
+    END IF;
 END
 $$;
 

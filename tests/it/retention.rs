@@ -284,3 +284,51 @@ async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_sh
     worker.stop().await?;
     Ok(())
 }
+
+/// A session keeps the plans of the claim's statements. Made while the
+/// current partition held a few rows, a plan that read it whole would go
+/// on doing so as it grows, and the claim would slow down without end: the
+/// claim's lookups stay index lookups, however the partition started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_never_reads_a_partition_whole() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let mut client = env.pool.get().await?;
+    let current = retention::epochs(&*client)
+        .await?
+        .last()
+        .map(|epoch| epoch.epoch)
+        .context("no epoch")?;
+    let tx = client.transaction().await?;
+    // Batches of new ids, each with one id of the batch before (a
+    // duplicate, whose digest is looked up): more than the five runs
+    // after which a session may keep a generic plan.
+    for batch in 0..20 {
+        let ids: Vec<String> = (0..200)
+            .map(|i| format!("{}-{batch}-{i}", env.name))
+            .chain((batch > 0).then(|| format!("{}-{}-0", env.name, batch - 1)))
+            .collect();
+        let digests: Vec<uuid::Uuid> = ids
+            .iter()
+            .map(|id| idem::store::digest(GROUP, id))
+            .collect();
+        tx.query(
+            "SELECT mq_claim($1::varchar[], $2::uuid[], $3::varchar)",
+            &[&ids, &digests, &GROUP],
+        )
+        .await?;
+    }
+    let read: i64 = tx
+        .query_one(
+            "SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_xact_user_tables \
+             WHERE relid = $1::text::regclass",
+            &[&format!("mq_consume_record_{current}")],
+        )
+        .await?
+        .get(0);
+    tx.rollback().await?;
+    assert_eq!(
+        read, 0,
+        "rows of the current partition read by a sequential scan"
+    );
+    Ok(())
+}
