@@ -52,13 +52,8 @@ $$;
 -- look into, PostgreSQL does not leave it out of a kept plan when it is
 -- not one to look into). A digest that another id holds in the current
 -- epoch is an error naming both ids, never a duplicate.
---
--- A session keeps the plans of a function's statements. One made while the
--- current partition was small could read it whole from then on, so the
--- function's plans use no sequential scan (the epochs' table aside, which
--- has a few rows).
 CREATE FUNCTION mq_claim(event_ids VARCHAR[], digests UUID[], consumer VARCHAR)
-RETURNS SETOF VARCHAR LANGUAGE plpgsql SET enable_seqscan = off AS $$
+RETURNS SETOF VARCHAR LANGUAGE plpgsql AS $$
 DECLARE
     current  INTEGER;
     keyed    INTEGER;
@@ -130,8 +125,7 @@ $$;
 -- (one at most: a claim never records an id an older epoch holds), each a
 -- lookup in one unique index, as in the claim.
 CREATE FUNCTION mq_recorded(event_ids VARCHAR[], consumer VARCHAR)
-RETURNS TABLE (event_id VARCHAR, epoch INTEGER) LANGUAGE plpgsql STABLE
-SET enable_seqscan = off AS $$
+RETURNS TABLE (event_id VARCHAR, epoch INTEGER) LANGUAGE plpgsql STABLE AS $$
 DECLARE
     keyed   INTEGER;
     by_text BOOLEAN;
