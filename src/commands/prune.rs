@@ -8,6 +8,7 @@ use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use super::dlq::{self, Action, DlqConfig};
+use crate::broker;
 use crate::handler::Handler;
 use crate::store::retention::{self, PruneConfig, Pruned};
 
@@ -17,6 +18,9 @@ pub struct PruneSettings {
     /// The dead-letter queue whose messages an operator may still replay,
     /// the database, and the consumer group.
     pub target: DlqConfig,
+    /// The group's work queue: what waits there while no worker consumes it
+    /// may be older than the window.
+    pub work_queue: String,
     /// Remove what is older than this.
     pub older_than: Duration,
     /// Refuse a window shorter than this.
@@ -79,6 +83,9 @@ pub struct Outcome {
     /// The epoch kept although older than the window, and how many dead
     /// letters carry an event recorded in it or later.
     pub held_back: Option<(i32, usize)>,
+    /// Messages in the work queue, which no worker consumed: every epoch
+    /// was kept.
+    pub unconsumed: Option<u32>,
 }
 
 /// Checks the window against the safety rule, then prunes once.
@@ -105,10 +112,20 @@ pub async fn run<H: Handler>(
         .filter(|entry| entry.applied == Some(true))
         .filter_map(|entry| entry.event_id.as_deref())
         .collect();
+    let unconsumed = unconsumed(settings).await?;
     let client = pool.get().await?;
-    let keep_from = match applied.as_slice() {
-        [] => None,
-        ids => retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?,
+    let keep_from = if unconsumed.is_some() {
+        retention::epochs(&client)
+            .await?
+            .first()
+            .map(|epoch| epoch.epoch)
+    } else {
+        match applied.as_slice() {
+            [] => None,
+            ids => {
+                retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?
+            }
+        }
     };
     drop(client);
     let config = PruneConfig {
@@ -122,8 +139,30 @@ pub async fn run<H: Handler>(
         .context("pruning the consume records")?;
     Ok(Outcome {
         pruned,
-        held_back: keep_from.map(|epoch| (epoch, applied.len())),
+        held_back: keep_from
+            .filter(|_| !applied.is_empty())
+            .map(|epoch| (epoch, applied.len())),
+        unconsumed,
     })
+}
+
+/// How many messages wait in the work queue with no worker consuming them:
+/// a worker down for longer than the window leaves copies there older than
+/// it, which would apply again once their records are gone. `None` when
+/// the queue is empty or consumed (its messages are then as old as the
+/// workers' lag).
+async fn unconsumed(settings: &PruneSettings) -> anyhow::Result<Option<u32>> {
+    let queue = &settings.work_queue;
+    let connection = broker::connect(&settings.target.amqp, "idem prune").await?;
+    let counts = async {
+        let channel = connection.create_channel().await?;
+        broker::queue_counts(&channel, queue).await
+    }
+    .await;
+    broker::close(&connection).await;
+    let (messages, consumers) =
+        counts.with_context(|| format!("cannot read the work queue {queue}"))?;
+    Ok((messages > 0 && consumers == 0).then_some(messages))
 }
 
 /// A worker's pruner: [`run`] every `interval` until `shutdown`. A pass that
@@ -185,6 +224,13 @@ impl std::fmt::Display for Outcome {
                     .join(", "),
                 pruned.records
             )?,
+        }
+        if let Some(messages) = self.unconsumed {
+            writeln!(
+                f,
+                "kept every epoch: {messages} message(s) wait in the work queue and no worker \
+                 consumes it, and they may be older than the window"
+            )?;
         }
         if let Some((epoch, letters)) = self.held_back {
             writeln!(

@@ -10,10 +10,11 @@ use idem::broker::Outgoing;
 use idem::handler::Handler;
 use idem::points::{PaymentSucceeded, Points};
 use idem::store::{Applier, Store, retention};
+use idem::worker::Mode;
 
 use crate::helpers::{
-    GROUP, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url, idem_command,
-    publish_messages, wait_for, worker_exits_at_once,
+    GROUP, RunningWorker, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url,
+    idem_command, publish_messages, wait_for, worker_exits_at_once,
 };
 
 const RACERS: usize = 4;
@@ -257,6 +258,54 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     Ok(())
 }
 
+/// A copy that waits in the work queue while no worker runs may be older
+/// than the window: until a worker has taken it, no epoch goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_keeps_every_epoch_while_messages_wait_for_a_worker() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let store = Store::new(env.pool.clone(), GROUP.to_owned());
+    let applier = Applier::new(store, Arc::new(Points))?;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-1", env.name),
+        order_id: format!("{}-order", env.name),
+        points: 1,
+    };
+    apply(&applier, &[&event]).await?;
+    let client = env.pool.get().await?;
+    let recorded_in = retention::epochs(&client)
+        .await?
+        .last()
+        .context("no epoch")?
+        .epoch;
+    retention::open_epoch(&client).await?;
+    age_epochs(&env, 10).await?;
+    env.publish_events(std::slice::from_ref(&event)).await?;
+
+    let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("kept every epoch: 1 message(s) wait in the work queue"),
+        "{text}"
+    );
+    assert!(text.contains("no epoch older than the window"), "{text}");
+    assert_eq!(epoch_numbers(&env).await?.first(), Some(&recorded_in));
+
+    // A worker takes the copy (a duplicate); then the epoch goes.
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    worker.wait_finished(1, Duration::from_secs(20)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (0, 1));
+    let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains(&format!("dropped epoch {recorded_in}")),
+        "{text}"
+    );
+    assert!(!text.contains("kept every epoch"), "{text}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_short()
 -> anyhow::Result<()> {
@@ -293,7 +342,7 @@ async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_sh
 async fn a_claim_never_reads_a_partition_whole() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let mut client = env.pool.get().await?;
-    let current = retention::epochs(&*client)
+    let current = retention::epochs(&client)
         .await?
         .last()
         .map(|epoch| epoch.epoch)

@@ -412,6 +412,10 @@ pub(crate) struct PruneArgs {
         default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
+    /// The group's work queue: while messages wait there and no worker
+    /// consumes it, no epoch is dropped.
+    #[arg(long, env = vars::QUEUE, default_value = points::QUEUE, help_heading = "Topology")]
+    pub(crate) queue: String,
     #[command(flatten)]
     pub(crate) target: DlqTargetArgs,
 }
@@ -421,6 +425,7 @@ impl PruneArgs {
     pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
         Ok(self.retention.settings(
             self.target.config(Filter::default(), None)?,
+            self.queue.clone(),
             self.older_than.0,
             &self.retry_delays,
         ))
@@ -428,15 +433,18 @@ impl PruneArgs {
 }
 
 impl RetentionArgs {
-    /// A prune's settings over `target`, for a window of `older_than`.
+    /// A prune's settings over `target` and `work_queue`, for a window of
+    /// `older_than`.
     fn settings(
         &self,
         target: DlqConfig,
+        work_queue: String,
         older_than: Duration,
         retry_delays: &Delays,
     ) -> PruneSettings {
         PruneSettings {
             target,
+            work_queue,
             older_than,
             min_retention: self.min_retention.0,
             retry_delays: retry_delays.0.clone(),
@@ -965,9 +973,12 @@ impl WorkerArgs {
             limit: None,
             patience: self.wait.startup_timeout.0,
         };
-        let settings = self
-            .retention_rules
-            .settings(target, window.0, &self.queues.retry_delays);
+        let settings = self.retention_rules.settings(
+            target,
+            self.queues.queue.clone(),
+            window.0,
+            &self.queues.retry_delays,
+        );
         settings
             .check_window()
             .map_err(|error| SettingError(format!("--retention: {error}")))?;
