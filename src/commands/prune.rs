@@ -114,18 +114,16 @@ pub async fn run<H: Handler>(
         .collect();
     let unconsumed = unconsumed(settings).await?;
     let client = pool.get().await?;
-    let keep_from = if unconsumed.is_some() {
-        retention::epochs(&client)
+    let for_letters = match applied.as_slice() {
+        [] => None,
+        ids => retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?,
+    };
+    let keep_from = match unconsumed {
+        Some(_) => retention::epochs(&client)
             .await?
             .first()
-            .map(|epoch| epoch.epoch)
-    } else {
-        match applied.as_slice() {
-            [] => None,
-            ids => {
-                retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?
-            }
-        }
+            .map(|epoch| epoch.epoch),
+        None => for_letters,
     };
     drop(client);
     let config = PruneConfig {
@@ -139,9 +137,7 @@ pub async fn run<H: Handler>(
         .context("pruning the consume records")?;
     Ok(Outcome {
         pruned,
-        held_back: keep_from
-            .filter(|_| !applied.is_empty())
-            .map(|epoch| (epoch, applied.len())),
+        held_back: for_letters.map(|epoch| (epoch, applied.len())),
         unconsumed,
     })
 }
