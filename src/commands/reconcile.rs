@@ -195,15 +195,7 @@ pub async fn run<H: Handler>(
             }
         }
         let ids: Vec<&str> = events.iter().map(|(id, _)| id.as_str()).collect();
-        let recorded: HashSet<String> = client
-            .query(
-                "SELECT event_id::text FROM mq_recorded($1::varchar[], $2::varchar)",
-                &[&ids, &group],
-            )
-            .await?
-            .iter()
-            .map(|row| row.try_get(0))
-            .collect::<Result<_, _>>()?;
+        let recorded = crate::store::recorded(&client, group, &ids).await?;
         let ledger: HashMap<String, (i32, String)> = client
             .query(
                 "SELECT event_id::text, failures, last_error FROM mq_failure_ledger \

@@ -19,8 +19,23 @@ const CLAIMED: &str = "\
         SELECT claim.event_id \
         FROM mq_claim($1::varchar[], $3::uuid[], $2::varchar) AS claim(event_id))";
 
-/// The event ids of `$1` recorded for consumer group `$2`: applied already.
-pub(super) const RECORDED: &str = "SELECT event_id FROM mq_recorded($1::varchar[], $2::varchar)";
+/// Which of `event_ids` consumer group `consumer_group` recorded: applied
+/// already.
+pub async fn recorded(
+    client: &impl deadpool_postgres::GenericClient,
+    consumer_group: &str,
+    event_ids: &[&str],
+) -> Result<std::collections::HashSet<String>, tokio_postgres::Error> {
+    let statement = client
+        .prepare_cached("SELECT event_id FROM mq_recorded($1::varchar[], $2::varchar)")
+        .await?;
+    client
+        .query(&statement, &[&event_ids, &consumer_group])
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect()
+}
 
 /// The key of an event's consume record in `consumer_group` (`mq_digest`
 /// in SQL): the first 16 bytes of the SHA-256 of the group, a zero byte

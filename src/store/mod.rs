@@ -27,7 +27,7 @@ use tracing::warn;
 
 pub use apply::{Applier, Claimed, Failure, apply_tally};
 pub(crate) use claim::general_path_statements;
-pub use claim::{claim_and_tally_statement, digest};
+pub use claim::{claim_and_tally_statement, digest, recorded};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
 pub use ledger::LedgerEntry;
@@ -547,14 +547,7 @@ impl Store {
             return Ok(HashSet::new());
         }
         let client = self.pool.get().await?;
-        let statement = client.prepare_cached(claim::RECORDED).await?;
-        let rows = client
-            .query(&statement, &[&event_ids, &self.consumer_group])
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|row| row.try_get(0))
-            .collect::<Result<_, _>>()?)
+        Ok(claim::recorded(&client, &self.consumer_group, event_ids).await?)
     }
 
     /// Forgets the failures of `event_ids`: a replay starts a fresh budget.

@@ -30,9 +30,67 @@ impl Schema {
         Ok(Self { name, pool })
     }
 
+    /// A schema beside `env`'s as an older idem's migrate left it: idem's
+    /// first `applied` migrations, recorded in its history.
+    async fn left_by(env: &TestEnv, suffix: &str, applied: usize) -> anyhow::Result<Self> {
+        let schema = Self::beside(env, suffix)?;
+        schema
+            .sql(&format!(
+                "CREATE SCHEMA {name};
+                 CREATE TABLE {name}.idem_schema_migrations (
+                     version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+                     applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
+                name = schema.name
+            ))
+            .await?;
+        for migration in &MIGRATIONS[..applied] {
+            schema.sql(migration.sql).await?;
+            schema
+                .sql(&format!(
+                    "INSERT INTO idem_schema_migrations (version, name) VALUES ({}, '{}')",
+                    migration.version, migration.name
+                ))
+                .await?;
+        }
+        Ok(schema)
+    }
+
     async fn sql(&self, statements: &str) -> anyhow::Result<()> {
         self.pool.get().await?.batch_execute(statements).await?;
         Ok(())
+    }
+
+    /// Publishes `events` and runs a worker on this schema until each is
+    /// taken; returns how many it applied and how many were duplicates.
+    async fn work_through(
+        &self,
+        env: &TestEnv,
+        events: &[PaymentSucceeded],
+    ) -> anyhow::Result<(u64, u64)> {
+        env.publish_events(events).await?;
+        let mut config = env.worker_config(Mode::Batch);
+        config.database.schema = Some(self.name.clone());
+        let worker = RunningWorker::start(config);
+        worker
+            .wait_finished(events.len() as u64, Duration::from_secs(20))
+            .await?;
+        let stats = worker.stats.snapshot();
+        worker.stop().await?;
+        Ok((stats.applied, stats.duplicates))
+    }
+
+    /// The points of `order_id` in this schema.
+    async fn points(&self, order_id: &str) -> anyhow::Result<i64> {
+        Ok(self
+            .pool
+            .get()
+            .await?
+            .query_one(
+                "SELECT points FROM user_points WHERE order_id = $1",
+                &[&order_id],
+            )
+            .await?
+            .get(0))
     }
 }
 
@@ -46,25 +104,9 @@ impl Drop for Schema {
 async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keeping_its_data()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let old = Schema::beside(&env, "old")?;
     // What idem's migrate left before handlers had migrations: its first
     // two migrations, the first of which created user_points.
-    old.sql(&format!(
-        "CREATE SCHEMA {name};
-         CREATE TABLE {name}.idem_schema_migrations (
-             version INTEGER PRIMARY KEY, name TEXT NOT NULL,
-             applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
-        name = old.name
-    ))
-    .await?;
-    for migration in &MIGRATIONS[..2] {
-        old.sql(migration.sql).await?;
-        old.sql(&format!(
-            "INSERT INTO idem_schema_migrations (version, name) VALUES ({}, '{}')",
-            migration.version, migration.name
-        ))
-        .await?;
-    }
+    let old = Schema::left_by(&env, "old", 2).await?;
     old.sql(&format!(
         "INSERT INTO user_points VALUES ('order-1', 100);
          INSERT INTO mq_consume_record (event_id, consumer_group) VALUES ('{}-1', '{GROUP}');",
@@ -118,25 +160,8 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
         order_id: "order-1".into(),
         points: 5,
     };
-    env.publish_events(&[first, second]).await?;
-    let mut config = env.worker_config(Mode::Batch);
-    config.database.schema = Some(old.name.clone());
-    let worker = RunningWorker::start(config);
-    worker.wait_finished(2, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
-    assert_eq!((stats.applied, stats.duplicates), (1, 1));
-    let points: i64 = old
-        .pool
-        .get()
-        .await?
-        .query_one(
-            "SELECT points FROM user_points WHERE order_id = 'order-1'",
-            &[],
-        )
-        .await?
-        .get(0);
-    assert_eq!(points, 105);
+    assert_eq!(old.work_through(&env, &[first, second]).await?, (1, 1));
+    assert_eq!(old.points("order-1").await?, 105);
     Ok(())
 }
 
@@ -144,25 +169,9 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
 async fn records_of_an_epoch_keyed_by_text_still_deduplicate_after_the_digest_key()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let old = Schema::beside(&env, "text")?;
     // What idem's migrate left with epochs, before the digest key: its
     // first five migrations, and the records of a worker of then.
-    old.sql(&format!(
-        "CREATE SCHEMA {name};
-         CREATE TABLE {name}.idem_schema_migrations (
-             version INTEGER PRIMARY KEY, name TEXT NOT NULL,
-             applied_at TIMESTAMPTZ NOT NULL DEFAULT now());",
-        name = old.name
-    ))
-    .await?;
-    for migration in &MIGRATIONS[..5] {
-        old.sql(migration.sql).await?;
-        old.sql(&format!(
-            "INSERT INTO idem_schema_migrations (version, name) VALUES ({}, '{}')",
-            migration.version, migration.name
-        ))
-        .await?;
-    }
+    let old = Schema::left_by(&env, "text", 5).await?;
     let id = |n: u32| format!("{}-{n}", env.name);
     old.sql(&format!(
         "INSERT INTO user_points VALUES ('order-1', 100);
@@ -198,22 +207,8 @@ async fn records_of_an_epoch_keyed_by_text_still_deduplicate_after_the_digest_ke
             points: 5,
         })
         .collect();
-    env.publish_events(&events).await?;
-    let mut config = env.worker_config(Mode::Batch);
-    config.database.schema = Some(old.name.clone());
-    let worker = RunningWorker::start(config);
-    worker.wait_finished(3, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
-    assert_eq!((stats.applied, stats.duplicates), (1, 2));
-    let points: i64 = client
-        .query_one(
-            "SELECT points FROM user_points WHERE order_id = 'order-1'",
-            &[],
-        )
-        .await?
-        .get(0);
-    assert_eq!(points, 105);
+    assert_eq!(old.work_through(&env, &events).await?, (1, 2));
+    assert_eq!(old.points("order-1").await?, 105);
     Ok(())
 }
 
