@@ -48,6 +48,10 @@ pub const PRUNE_INTERVAL: &str = "IDEM_PRUNE_INTERVAL";
 pub const MIN_RETENTION: &str = "IDEM_MIN_RETENTION";
 /// `--epoch-length`.
 pub const EPOCH_LENGTH: &str = "IDEM_EPOCH_LENGTH";
+/// `worker --epoch-records`.
+pub const EPOCH_RECORDS: &str = "IDEM_EPOCH_RECORDS";
+/// `worker --filter-memory-mib`.
+pub const FILTER_MEMORY_MIB: &str = "IDEM_FILTER_MEMORY_MIB";
 /// `--quorum-size`.
 pub const QUORUM_SIZE: &str = "IDEM_QUORUM_SIZE";
 /// `worker --max-attempts`.

@@ -32,8 +32,9 @@ use crate::broker::{
 use crate::generate::{self, LoadSpec};
 use crate::handler::Handler;
 use crate::points::{self, PaymentSucceeded, Points};
-use crate::store::{DatabaseConfig, migrate};
+use crate::store::{DatabaseConfig, Filters, migrate};
 use crate::vars;
+use crate::worker::EpochSettings;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -55,8 +56,13 @@ pub struct BenchConfig {
     /// show how deduplication holds up as records pile up.
     pub prefill: Vec<u64>,
     /// Epochs (days of a retention window) the prefilled records are
-    /// spread over, the last of them current.
-    pub prefill_epochs: u16,
+    /// spread over, the last of them current; `None`: as the worker's
+    /// opening by size leaves them ([`prefill_layout`]).
+    pub prefill_epochs: Option<u16>,
+    /// The workers' `--epoch-records`, when given (else theirs, which a
+    /// prefill without `prefill_epochs` takes as
+    /// [`EpochSettings::DEFAULT_MAX_RECORDS`]).
+    pub epoch_records: Option<u64>,
     /// Over each prefill, also a run during which the oldest day of
     /// records is removed (`idem prune`'s way), against the run without.
     pub prune_during: bool,
@@ -180,18 +186,42 @@ struct Run {
     floor: i64,
     /// The run is done once every outgoing message is sent too.
     outbox: bool,
-    /// Half-way through, the oldest prefilled day is removed.
-    removal: bool,
+    /// Half-way through, the oldest of this many prefilled days is removed.
+    removal: Option<usize>,
+}
+
+/// The records of each prefilled epoch, oldest first, the last one current:
+/// `epochs` of about the same size, or, without, as the worker's opening
+/// by size leaves them: closed epochs of `epoch_records` each (or a little
+/// fewer) and a current one half full; one epoch if the worker opens none
+/// by size.
+pub fn prefill_layout(count: u64, epochs: Option<u16>, epoch_records: u64) -> Vec<u64> {
+    let even = |total: u64, epochs: u64| -> Vec<u64> {
+        (0..epochs)
+            .map(|epoch| total / epochs + u64::from(epoch < total % epochs))
+            .collect()
+    };
+    match (epochs, epoch_records) {
+        (Some(epochs), _) => even(count, u64::from(epochs.max(1))),
+        (None, 0) => vec![count],
+        (None, records) => {
+            let current = count.min(records / 2);
+            let closed = count - current;
+            let mut layout = even(closed, closed.div_ceil(records));
+            layout.push(current);
+            layout
+        }
+    }
 }
 
 /// Removes the oldest day of `epochs` prefilled ones as `idem prune` does
 /// (the epochs are a day apart, the current one opened a day ago); returns
 /// the epochs dropped and how long it took.
-async fn remove_oldest_day(pool: Pool, epochs: u16) -> anyhow::Result<(Vec<i32>, Duration)> {
+async fn remove_oldest_day(pool: Pool, epochs: usize) -> anyhow::Result<(Vec<i32>, Duration)> {
     let started = Instant::now();
     let day = 24 * 3600;
     let config = crate::store::retention::PruneConfig {
-        older_than: Duration::from_secs(u64::from(epochs.saturating_sub(1)) * day - day / 2),
+        older_than: Duration::from_secs(epochs.saturating_sub(1) as u64 * day - day / 2),
         epoch_length: Duration::from_secs(365 * day),
         lock_timeout: crate::commands::prune::PruneSettings::DEFAULT_LOCK_TIMEOUT,
         keep_from: None,
@@ -322,7 +352,7 @@ impl Bench<'_> {
                             let run = Run {
                                 floor,
                                 outbox: false,
-                                removal,
+                                removal: removal.then(|| bench.layout(prefill).len()),
                             };
                             let measured = bench.worker(binary, &args, &load, run).await?;
                             let mut key = over(key, prefill);
@@ -344,7 +374,7 @@ impl Bench<'_> {
                 let run = Run {
                     floor: 0,
                     outbox: true,
-                    removal: false,
+                    removal: None,
                 };
                 let measured = bench
                     .worker(&config.worker_binary, &args, &load, run)
@@ -566,7 +596,11 @@ impl<'a> Bench<'a> {
     }
 
     fn common_args(&self) -> Vec<String> {
-        vec!["--prefetch".into(), self.config.prefetch.to_string()]
+        let mut args = vec!["--prefetch".into(), self.config.prefetch.to_string()];
+        if let Some(records) = self.config.epoch_records {
+            args.extend(["--epoch-records".into(), records.to_string()]);
+        }
+        args
     }
 
     fn per_message_args(&self) -> Vec<String> {
@@ -595,27 +629,39 @@ impl<'a> Bench<'a> {
         args
     }
 
+    /// The prefilled epochs' records ([`prefill_layout`]).
+    fn layout(&self, count: u64) -> Vec<u64> {
+        prefill_layout(
+            count,
+            self.config.prefill_epochs,
+            self.config
+                .epoch_records
+                .unwrap_or(EpochSettings::DEFAULT_MAX_RECORDS),
+        )
+    }
+
     /// Fills the consume records with `prefill` rows of random UUID ids in
-    /// the worker's consumer group, spread over `prefill_epochs` epochs a
-    /// day apart, the last of them current (a retention window of that
+    /// the worker's consumer group, spread over epochs ([`Bench::layout`])
+    /// a day apart, the last of them current (a retention window of that
     /// many days, at the end of its last day), fast: each partition's
     /// unique index is dropped, the rows loaded, the index built again.
-    /// Then VACUUM, for a table as a long-running one is, and a
-    /// checkpoint, so that the run starts where a steady state would.
-    /// Returns the highest id among them: the run's own records are above
-    /// it.
+    /// Then VACUUM, for a table as a long-running one is, the closed
+    /// epochs' filters, as the workers that closed them would have built
+    /// them, and a checkpoint, so that the run starts where a steady state
+    /// would. Returns the highest id among them: the run's own records are
+    /// above it.
     async fn prefill(&self, count: u64) -> anyhow::Result<i64> {
-        let count = i64::try_from(count)?;
         if count == 0 {
             return Ok(0);
         }
         let started = Instant::now();
-        let client = self.pool.get().await?;
+        let mut client = self.pool.get().await?;
         client
             .batch_execute("SET statement_timeout = 0; SET maintenance_work_mem = '512MB'")
             .await?;
-        let epochs = i64::from(self.config.prefill_epochs.max(1));
-        for day in 0..epochs {
+        let layout = self.layout(count);
+        let epochs = layout.len() as i64;
+        for (day, rows) in (0..).zip(&layout) {
             if day > 0 {
                 client.batch_execute("SELECT mq_open_epoch()").await?;
             }
@@ -624,7 +670,7 @@ impl<'a> Bench<'a> {
                 .await?
                 .try_get(0)?;
             let partition = format!("mq_consume_record_{epoch}");
-            let rows = count / epochs + i64::from(day < count % epochs);
+            let rows = i64::try_from(*rows)?;
             client
                 .batch_execute(&format!(
                     "ALTER TABLE {partition} DROP CONSTRAINT {partition}_key"
@@ -665,6 +711,16 @@ impl<'a> Bench<'a> {
         client
             .batch_execute("VACUUM (ANALYZE) mq_consume_record")
             .await?;
+        let filtering = Instant::now();
+        let synced = Filters::default()
+            .sync(&mut client, usize::MAX, true)
+            .await
+            .context("building the closed epochs' filters")?;
+        eprintln!(
+            "  built the filters of {} closed epochs in {:.0} s",
+            synced.built.len(),
+            filtering.elapsed().as_secs_f64()
+        );
         if let Err(error) = client.batch_execute("CHECKPOINT").await {
             eprintln!(
                 "  no checkpoint after the prefill ({}): the run may write fewer full pages than a steady state",
@@ -736,11 +792,11 @@ impl<'a> Bench<'a> {
             // The broker first: counting records scans the table, which
             // would load the database under measurement.
             let ready = probe.ready(&self.topology.queue).await?;
-            if removal && removing.is_none() && (ready as usize) < load.len() / 2 {
-                removing = Some(tokio::spawn(remove_oldest_day(
-                    self.pool.clone(),
-                    self.config.prefill_epochs,
-                )));
+            if let Some(epochs) = removal
+                && removing.is_none()
+                && (ready as usize) < load.len() / 2
+            {
+                removing = Some(tokio::spawn(remove_oldest_day(self.pool.clone(), epochs)));
             }
             let mut recorded = -1;
             if ready == 0 {
@@ -930,6 +986,21 @@ const PGBENCH_POINTS: &str = "ARRAY[7]::bigint[]";
 /// The event's digest, as the worker computes it.
 const PGBENCH_DIGESTS: &str = "ARRAY[mq_digest('pgbench', 'pgbench-' || :event)]";
 
+/// A claim without filters (pgbench's schema has no closed epoch to look
+/// into).
+fn unfiltered(statement: &str) -> String {
+    [
+        ("$4::int[]", "'{}'::int[]"),
+        ("$5::timestamptz[]", "'{}'::timestamptz[]"),
+        ("$6::int[]", "'{}'::int[]"),
+        ("$7::int[]", "'{}'::int[]"),
+    ]
+    .iter()
+    .fold(statement.to_owned(), |statement, (param, none)| {
+        statement.replace(param, none)
+    })
+}
+
 /// Per-message mode's transaction, as pgbench runs it: idem's own claim
 /// statement for the points tally with one event.
 fn pgbench_script() -> String {
@@ -938,9 +1009,9 @@ fn pgbench_script() -> String {
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
         .replace("$3::uuid[]", PGBENCH_DIGESTS)
         .replace("$2", PGBENCH_GROUP)
-        .replace("$4::varchar[]", PGBENCH_ORDERS)
-        .replace("$5::bigint[]", PGBENCH_POINTS);
-    format!("{PGBENCH_VARIABLES}{statement};\n")
+        .replace("$8::varchar[]", PGBENCH_ORDERS)
+        .replace("$9::bigint[]", PGBENCH_POINTS);
+    format!("{PGBENCH_VARIABLES}{};\n", unfiltered(&statement))
 }
 
 /// The same work as the general path does it, for a handler without a
@@ -951,6 +1022,7 @@ fn pgbench_general_script() -> String {
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
         .replace("$3::uuid[]", PGBENCH_DIGESTS)
         .replace("$2", PGBENCH_GROUP);
+    let claim = unfiltered(&claim);
     let effect = effect
         .replace("$2::bigint[]", PGBENCH_POINTS)
         .replace("$1::varchar[]", PGBENCH_ORDERS);
@@ -1284,5 +1356,28 @@ impl fmt::Display for BenchReport {
             f,
             "rounds: {rounds}; every run checked: exact totals, one record per event, nothing dead-lettered"
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::prefill_layout;
+
+    #[test]
+    fn a_prefill_is_laid_out_as_epochs_closed_by_size_leave_it() {
+        // Closed epochs of at most the worker's share, the current one half
+        // full, every record somewhere.
+        assert_eq!(
+            prefill_layout(20_000_000, None, 4_000_000),
+            vec![3_600_000; 5]
+                .into_iter()
+                .chain([2_000_000])
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(prefill_layout(1_000, None, 4_000_000), vec![1_000]);
+        assert_eq!(prefill_layout(5_000, None, 4_000), vec![3_000, 2_000]);
+        // No opening by size: one epoch; epochs asked for: as many, even.
+        assert_eq!(prefill_layout(7, None, 0), vec![7]);
+        assert_eq!(prefill_layout(7, Some(3), 4_000_000), vec![3, 2, 2]);
     }
 }

@@ -165,6 +165,16 @@ impl<H: Handler> Applier<H> {
         let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let group = self.store.consumer_group();
         let digests = claim::digests(group, &ids);
+        let consulted = self.store.filters.consult(&digests);
+        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+            &ids,
+            &group,
+            &digests,
+            &consulted.filtered,
+            &consulted.closed_at,
+            &consulted.suspect_at,
+            &consulted.suspect_epoch,
+        ];
         let database = |error| self.database_failure(&error);
 
         if let Some((tally, statement)) = &self.tally {
@@ -172,8 +182,9 @@ impl<H: Handler> Applier<H> {
             // Only the rows of events that go in are written: the statement
             // joins them to its claim.
             let sent = Rows::of(handler, group, &distinct);
-            let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                vec![&ids, &group, &digests, &keys, &amounts];
+            let mut params = claim_params.to_vec();
+            params.push(&keys);
+            params.push(&amounts);
             let statement = match &self.tally_and_send {
                 Some(sending) if !sent.is_empty() => {
                     params.extend(sent.params());
@@ -189,7 +200,7 @@ impl<H: Handler> Applier<H> {
         let tx = client.transaction().await.map_err(database)?;
         let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
         let rows = tx
-            .query(&statement, &[&ids, &group, &digests])
+            .query(&statement, &claim_params)
             .await
             .map_err(database)?;
         let claimed = claimed(&ids, &rows).map_err(database)?;

@@ -4,6 +4,8 @@
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
+#[cfg(doc)]
+use super::filter::Consulted;
 use super::ledger;
 use crate::handler::Tally;
 
@@ -11,13 +13,16 @@ use crate::handler::Tally;
 /// (distinct) in consumer group `$2`, `$3` their [`digest`]s index for
 /// index (`mq_claim`: in the current epoch, for the ids no epoch holds, in
 /// digest order so that concurrent batches take the unique index's locks
-/// in one order). Yields the ids that went in; an id it does not yield was
-/// recorded before (or by a concurrent transaction that committed first):
-/// a duplicate. An id whose digest another one holds fails the statement.
+/// in one order), `$4`…`$7` what the closed epochs' filters said of them
+/// ([`Consulted`]). Yields the ids that went in; an id it does not yield
+/// was recorded before (or by a concurrent transaction that committed
+/// first): a duplicate. An id whose digest another one holds fails the
+/// statement.
 const CLAIMED: &str = "\
     claimed AS (\
         SELECT claim.event_id \
-        FROM mq_claim($1::varchar[], $3::uuid[], $2::varchar) AS claim(event_id))";
+        FROM mq_claim($1::varchar[], $3::uuid[], $2::varchar, \
+                      $4::int[], $5::timestamptz[], $6::int[], $7::int[]) AS claim(event_id))";
 
 /// Which of `event_ids` consumer group `consumer_group` recorded: applied
 /// already.
@@ -67,9 +72,9 @@ pub(super) fn claim_statement() -> String {
 
 /// Claim, ledger clear and a [`Tally`]'s effect as one statement: a
 /// statement is a transaction of its own, so this is one round trip and one
-/// commit per batch. `$1` event ids (distinct), `$2` the consumer group,
-/// `$3` the ids' [`digest`]s, `$4` the tally's keys and `$5` its amounts,
-/// index for index with `$1`;
+/// commit per batch. `$1`…`$7` as for the claim (event ids, distinct, the
+/// consumer group, their [`digest`]s, what the filters said), `$8` the
+/// tally's keys and `$9` its amounts, index for index with `$1`;
 /// yields the event ids that went in. The tally's names must be plain
 /// identifiers (checked when the statement is built for a worker). Public
 /// for tools that measure it (`idem bench --pgbench`).
@@ -78,9 +83,9 @@ pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
 }
 
 /// [`claim_and_tally_statement`], and the outbox rows of the events that
-/// went in: `$6`…`$12` as [`super::outbox::Rows`].
+/// went in: `$10`…`$16` as [`super::outbox::Rows`].
 pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>) -> String {
-    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(6)))
+    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(10)))
 }
 
 /// The claim and tally statement with `steps` (each ending in `, `) added.
@@ -93,7 +98,7 @@ fn claim_tally_then<E>(tally: &Tally<E>, steps: &str) -> String {
          tallied AS (\
             INSERT INTO {table} ({key}, {amount}) \
             SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
-            FROM unnest($1::varchar[], $4::varchar[], $5::bigint[]) \
+            FROM unnest($1::varchar[], $8::varchar[], $9::bigint[]) \
                 AS batch(event_id, tally_key, tally_amount) \
             JOIN claimed USING (event_id) \
             GROUP BY batch.tally_key ORDER BY batch.tally_key \
@@ -121,8 +126,8 @@ pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
 
 /// The statements of the general path for a tally's effect, in order
 /// (inside BEGIN … COMMIT): the claim (`$1` event ids, `$2` the group, `$3`
-/// their digests), the effect (`$1` keys, `$2` amounts), the ledger clear
-/// (`$1` and `$2` as the claim). For tools that measure it (`idem bench
+/// their digests, `$4`…`$7` what the filters said), the effect (`$1` keys,
+/// `$2` amounts), the ledger clear (`$1` and `$2` as the claim). For tools that measure it (`idem bench
 /// --pgbench`).
 pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
     [

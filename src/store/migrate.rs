@@ -29,6 +29,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(4, "0004_outbox.sql"),
     migration!(5, "0005_consume_record_epochs.sql"),
     migration!(6, "0006_consume_record_digest_key.sql"),
+    migration!(7, "0007_epoch_filters.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -202,6 +203,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 6);
+        assert_eq!(latest(MIGRATIONS), 7);
     }
 }

@@ -6,6 +6,7 @@
 mod apply;
 mod claim;
 mod failure;
+pub mod filter;
 mod ledger;
 pub mod migrate;
 pub mod outbox;
@@ -30,6 +31,7 @@ pub(crate) use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
+pub use filter::Filters;
 pub use ledger::LedgerEntry;
 
 use crate::handler::Handler;
@@ -386,6 +388,10 @@ pub struct Store {
     pool: Pool,
     /// Part of the consume record's key: each group applies an event once.
     consumer_group: String,
+    /// The closed epochs' filters its claims consult: none until someone
+    /// syncs them (a worker does), and then a claim looks into a closed
+    /// epoch only for the events its filter may hold.
+    filters: Arc<Filters>,
 }
 
 impl std::fmt::Debug for Store {
@@ -393,17 +399,29 @@ impl std::fmt::Debug for Store {
         f.debug_struct("Store")
             .field("consumer_group", &self.consumer_group)
             .field("pool", &self.pool.status())
+            .field("filters", &self.filters)
             .finish()
     }
 }
 
 impl Store {
-    /// A store for `consumer_group` over `pool`.
+    /// A store for `consumer_group` over `pool`, with no filter yet.
     pub fn new(pool: Pool, consumer_group: impl Into<String>) -> Self {
         Self {
             pool,
             consumer_group: consumer_group.into(),
+            filters: Arc::default(),
         }
+    }
+
+    /// The same store, its claims consulting `filters`.
+    pub fn with_filters(self, filters: Arc<Filters>) -> Self {
+        Self { filters, ..self }
+    }
+
+    /// The closed epochs' filters its claims consult.
+    pub fn filters(&self) -> &Arc<Filters> {
+        &self.filters
     }
 
     /// The pool the store's statements run on.

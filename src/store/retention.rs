@@ -176,6 +176,57 @@ pub async fn open_epoch(client: &Client) -> Result<i32, StoreError> {
         .try_get(0)?)
 }
 
+/// Opens the next epoch if the current one has taken `max_records` records
+/// or more (`mq_rotate`, one opening at a time); returns it.
+pub async fn rotate(client: &Client, max_records: i64) -> Result<Option<i32>, StoreError> {
+    Ok(client
+        .query_one("SELECT mq_rotate($1)", &[&max_records])
+        .await?
+        .try_get(0)?)
+}
+
+/// The epochs at a glance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EpochSummary {
+    /// Epochs, the current one included.
+    pub epochs: i64,
+    /// Closed epochs whose filter is stored.
+    pub filtered: i64,
+    /// Records the current epoch has taken ([`current_records`]).
+    pub current_records: i64,
+}
+
+/// How many epochs there are, how many have a stored filter, and how many
+/// records the current one has taken.
+pub async fn summary(client: &Client) -> Result<EpochSummary, StoreError> {
+    let row = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM mq_consume_epoch), \
+                    (SELECT count(*) FROM mq_consume_filter)",
+            &[],
+        )
+        .await?;
+    Ok(EpochSummary {
+        epochs: row.try_get(0)?,
+        filtered: row.try_get(1)?,
+        current_records: current_records(client).await?,
+    })
+}
+
+/// Records the current epoch has taken: the id sequence's progress since
+/// it opened (an overestimate: a duplicate or a rollback spends an id, and
+/// each session takes ids a thousand at a time).
+pub async fn current_records(client: &Client) -> Result<i64, StoreError> {
+    Ok(client
+        .query_one(
+            "SELECT (SELECT last_value FROM mq_consume_record_id_seq) - first_id \
+             FROM mq_consume_epoch ORDER BY epoch DESC LIMIT 1",
+            &[],
+        )
+        .await?
+        .try_get(0)?)
+}
+
 /// Drops a closed epoch's partition, and the epoch with it; returns the
 /// records it held (the estimate).
 async fn drop_epoch(client: &mut Client, epoch: i32) -> Result<i64, StoreError> {
@@ -206,7 +257,7 @@ async fn drop_epoch(client: &mut Client, epoch: i32) -> Result<i64, StoreError> 
 }
 
 /// A step that timed out waiting for a lock is left to the next pass.
-fn unless_locked<T>(step: Result<T, StoreError>) -> Result<Option<T>, StoreError> {
+pub(crate) fn unless_locked<T>(step: Result<T, StoreError>) -> Result<Option<T>, StoreError> {
     match step {
         Ok(done) => Ok(Some(done)),
         Err(error) if error.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {

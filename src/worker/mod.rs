@@ -6,6 +6,7 @@
 //! the [`Handler`]'s) and makes no ack decision of its own (that is
 //! `process`).
 
+mod epochs;
 mod health;
 mod http;
 mod intake;
@@ -26,6 +27,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, info, info_span, warn};
 
+pub use epochs::EpochSettings;
 pub use stats::{Snapshot, Stats};
 
 use crate::backoff::RECONNECT_PATIENCE;
@@ -35,7 +37,7 @@ use crate::broker::{
 };
 use crate::caught;
 use crate::handler::Handler;
-use crate::store::{Applier, DatabaseConfig, ReadyError, Store};
+use crate::store::{Applier, DatabaseConfig, Filters, ReadyError, Store};
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
@@ -144,6 +146,9 @@ pub struct WorkerConfig {
     /// messages ([`Handler::SENDS_MESSAGES`]); off when `idem relay` runs
     /// apart.
     pub relay: bool,
+    /// How the consume records' epochs are kept: when the next one opens,
+    /// and how much memory the closed ones' filters may take.
+    pub epochs: EpochSettings,
 }
 
 impl WorkerConfig {
@@ -186,6 +191,7 @@ impl WorkerConfig {
             http_addr: None,
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
             relay: true,
+            epochs: EpochSettings::default(),
         };
         config.with_mode(Mode::Batch)
     }
@@ -283,7 +289,9 @@ impl<H: Handler> Worker<H> {
             None => None,
         };
         let pool = self.config.database.pool()?;
-        let store = Store::new(pool, self.config.consumer_group.clone());
+        let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
+        let store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
+        let epochs_pool = epochs::pool(&self.config.database)?;
         match store
             .wait_until_ready::<H>(self.config.startup_timeout, &shutdown)
             .await
@@ -311,6 +319,15 @@ impl<H: Handler> Worker<H> {
             config.summary_interval,
             shutdown.clone(),
         ));
+        // The filters stored already, before the first claim: without them
+        // it would look into every closed epoch.
+        epochs::load(&store, &epochs_pool, &config.epochs).await;
+        let keeper = tokio::spawn(epochs::keep(
+            store.clone(),
+            epochs_pool,
+            config.epochs,
+            shutdown.clone(),
+        ));
         let processor = Arc::new(Processor {
             applier: Applier::new(store, Arc::new(handler))?,
             max_attempts: config.max_attempts,
@@ -336,6 +353,7 @@ impl<H: Handler> Worker<H> {
             }
         }
         summary.abort();
+        keeper.abort();
         if let Some(endpoints) = endpoints {
             endpoints.abort();
         }

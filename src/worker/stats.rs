@@ -60,6 +60,7 @@ pub struct Stats {
     database_up: Gauge,
     pool: Family<PoolState, Gauge>,
     relay: crate::relay::RelayCounters,
+    epochs: crate::store::filter::EpochCounters,
 }
 
 /// A copy of the counters at one moment.
@@ -138,6 +139,7 @@ impl Stats {
             database_up: Gauge::default(),
             pool: Family::default(),
             relay: crate::relay::RelayCounters::default(),
+            epochs: crate::store::filter::EpochCounters::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -230,7 +232,41 @@ impl Stats {
             "Outbox messages not sent yet, as last counted",
             stats.relay.unsent.clone(),
         );
+        registry.register(
+            "current_epoch_records",
+            "Records the current epoch of the consume records has taken, as last seen \
+             (the id sequence's progress since it opened)",
+            stats.epochs.current_records.clone(),
+        );
+        registry.register(
+            "epoch_filters",
+            "Closed epochs of the consume records whose filter this worker holds",
+            stats.epochs.filtered.clone(),
+        );
+        registry.register_with_unit(
+            "epoch_filter_memory",
+            "Memory the filters of the closed epochs take",
+            Unit::Bytes,
+            stats.epochs.bytes.clone(),
+        );
+        registry.register(
+            "unfiltered_epochs",
+            "Closed epochs this worker holds no filter of: every event is looked up in each",
+            stats.epochs.unfiltered.clone(),
+        );
+        registry.register(
+            "epoch_lookups",
+            "Lookups of an event in a closed epoch whose filter may hold it (the event's \
+             record, or a false positive, about one in 28,000 per epoch)",
+            stats.epochs.lookups.clone(),
+        );
         Self { registry, ..stats }
+    }
+
+    /// The counters of the epochs' upkeep and of the closed epochs'
+    /// filters, for the store.
+    pub fn epochs(&self) -> &crate::store::filter::EpochCounters {
+        &self.epochs
     }
 
     /// The metrics in the OpenMetrics text format, which Prometheus reads.

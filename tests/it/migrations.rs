@@ -141,6 +141,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0004_outbox.sql",
             "0005_consume_record_epochs.sql",
             "0006_consume_record_digest_key.sql",
+            "0007_epoch_filters.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -209,6 +210,86 @@ async fn records_of_an_epoch_keyed_by_text_still_deduplicate_after_the_digest_ke
         .collect();
     assert_eq!(old.work_through(&env, &events).await?, (1, 2));
     assert_eq!(old.points("order-1").await?, 105);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn epochs_closed_before_filters_get_one_and_still_deduplicate() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // What idem's migrate left with the digest key, before filters: its
+    // first six migrations, a record in an epoch since closed, and one in
+    // the current epoch, claimed as a worker of then did.
+    let old = Schema::left_by(&env, "digest", 6).await?;
+    let id = |n: u32| format!("{}-{n}", env.name);
+    old.sql(&format!(
+        "INSERT INTO user_points VALUES ('order-1', 100);
+         SELECT mq_claim(ARRAY['{one}'], ARRAY[mq_digest('{GROUP}', '{one}')], '{GROUP}');
+         SELECT mq_open_epoch();
+         SELECT mq_claim(ARRAY['{two}'], ARRAY[mq_digest('{GROUP}', '{two}')], '{GROUP}');",
+        one = id(1),
+        two = id(2)
+    ))
+    .await?;
+    let client = old.pool.get().await?;
+    let closed: i32 = client
+        .query_one("SELECT max(epoch) - 1 FROM mq_consume_epoch", &[])
+        .await?
+        .get(0);
+
+    let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    assert_eq!(applied[0], "0007_epoch_filters.sql");
+    // Every epoch knows where its ids started; a claim of an idem from
+    // before still runs.
+    let unknown: i64 = client
+        .query_one(
+            "SELECT count(*) FROM mq_consume_epoch WHERE first_id IS NULL",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(unknown, 0);
+    client
+        .batch_execute(&format!(
+            "SELECT mq_claim(ARRAY['{three}'], ARRAY[mq_digest('{GROUP}', '{three}')], '{GROUP}')",
+            three = id(3)
+        ))
+        .await?;
+
+    // A worker builds the closed epoch's filter, and finds the event there
+    // through it.
+    let mut config = env.worker_config(Mode::Batch);
+    config.database.schema = Some(old.name.clone());
+    let worker = RunningWorker::start(config);
+    crate::helpers::wait_for(
+        "the closed epoch's filter",
+        Duration::from_secs(20),
+        || async {
+            Ok(client
+                .query_opt("SELECT FROM mq_consume_filter WHERE epoch = $1", &[&closed])
+                .await?
+                .is_some())
+        },
+    )
+    .await?;
+    let events: Vec<PaymentSucceeded> = (1..=4)
+        .map(|n| PaymentSucceeded {
+            event_id: id(n),
+            order_id: "order-1".into(),
+            points: 5,
+        })
+        .collect();
+    env.publish_events(&events).await?;
+    worker.wait_finished(4, Duration::from_secs(20)).await?;
+    let stats = worker.stats.snapshot();
+    let metrics = worker.stats.encode();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (1, 3));
+    assert_eq!(old.points("order-1").await?, 105);
+    assert!(
+        crate::helpers::sample(&metrics, "idem_epoch_lookups_total", &[])
+            .is_some_and(|lookups| lookups >= 1.0),
+        "{metrics}"
+    );
     Ok(())
 }
 

@@ -9,17 +9,58 @@ use anyhow::Context;
 use idem::broker::Outgoing;
 use idem::handler::Handler;
 use idem::points::{PaymentSucceeded, Points};
-use idem::store::{Applier, Store, retention};
-use idem::worker::Mode;
+use idem::store::filter::EpochCounters;
+use idem::store::{Applier, Filters, Store, retention};
+use idem::worker::{EpochSettings, Mode, WorkerConfig};
 
 use crate::helpers::{
     GROUP, RunningWorker, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url,
-    idem_command, publish_messages, wait_for, worker_exits_at_once,
+    idem_command, publish_messages, sample, wait_for, worker_exits_at_once,
 };
 
 const RACERS: usize = 4;
 const ROUNDS: usize = 40;
 const EVENTS_PER_ROUND: usize = 10;
+
+/// `RACERS` tasks that apply `events` one at a time, each in an order of
+/// its own, once `start` (the barrier returned, which the caller waits on
+/// too) lets them go.
+fn race<H>(
+    applier: &Arc<Applier<H>>,
+    events: &Arc<Vec<PaymentSucceeded>>,
+) -> (
+    Arc<tokio::sync::Barrier>,
+    tokio::task::JoinSet<anyhow::Result<usize>>,
+)
+where
+    H: Handler<Event = PaymentSucceeded> + Send + Sync + 'static,
+{
+    let start = Arc::new(tokio::sync::Barrier::new(RACERS + 1));
+    let mut racers = tokio::task::JoinSet::new();
+    for racer in 0..RACERS {
+        let (applier, events, start) = (applier.clone(), events.clone(), start.clone());
+        racers.spawn(async move {
+            start.wait().await;
+            let mut went_in = 0;
+            for i in 0..events.len() {
+                let event = &events[(i + racer * 3) % events.len()];
+                let mut claimed = apply(&applier, &[event]).await?;
+                went_in += usize::from(claimed.take(&event.event_id));
+            }
+            anyhow::Ok(went_in)
+        });
+    }
+    (start, racers)
+}
+
+/// How many events the racers put in, all told.
+async fn went_in(mut racers: tokio::task::JoinSet<anyhow::Result<usize>>) -> anyhow::Result<usize> {
+    let mut went_in = 0;
+    while let Some(racer) = racers.join_next().await {
+        went_in += racer??;
+    }
+    Ok(went_in)
+}
 
 /// Every round, `RACERS` appliers apply the same new events at the same
 /// moment, each in an order of its own, while epochs are opened under
@@ -43,21 +84,7 @@ where
                 })
                 .collect(),
         );
-        let start = Arc::new(tokio::sync::Barrier::new(RACERS + 1));
-        let mut racers = tokio::task::JoinSet::new();
-        for racer in 0..RACERS {
-            let (applier, events, start) = (applier.clone(), events.clone(), start.clone());
-            racers.spawn(async move {
-                start.wait().await;
-                let mut went_in = 0;
-                for i in 0..events.len() {
-                    let event = &events[(i + racer * 3) % events.len()];
-                    let mut claimed = apply(&applier, &[event]).await?;
-                    went_in += usize::from(claimed.take(&event.event_id));
-                }
-                anyhow::Ok(went_in)
-            });
-        }
+        let (start, racers) = race(&applier, &events);
         let client = env.pool.get().await?;
         start.wait().await;
         // Two epochs opened while the racers claim, the second as soon as
@@ -65,11 +92,7 @@ where
         for _ in 0..2 {
             retention::open_epoch(&client).await?;
         }
-        let mut went_in = 0;
-        while let Some(racer) = racers.join_next().await {
-            went_in += racer??;
-        }
-        assert_eq!(went_in, EVENTS_PER_ROUND, "round {round}");
+        assert_eq!(went_in(racers).await?, EVENTS_PER_ROUND, "round {round}");
     }
 
     let client = env.pool.get().await?;
@@ -103,6 +126,283 @@ async fn duplicates_racing_across_new_epochs_apply_once_in_one_statement() -> an
 async fn duplicates_racing_across_new_epochs_apply_once_in_a_longer_transaction()
 -> anyhow::Result<()> {
     duplicates_race_across_new_epochs(Untallied(Points)).await
+}
+
+/// Every round, `RACERS` appliers apply the same new events and copies of
+/// events of earlier rounds, while epochs close under them (by size, as a
+/// worker closes them, and by age) and their filters are built and taken
+/// up: each new event goes in exactly once, and every earlier one, now in
+/// a closed epoch the claims look into through its filter, is a duplicate.
+async fn duplicates_race_across_filtered_epochs<H>(handler: H) -> anyhow::Result<()>
+where
+    H: Handler<Event = PaymentSucceeded> + Send + Sync + 'static,
+{
+    let env = TestEnv::new().await?;
+    let counters = EpochCounters::default();
+    let filters = Arc::new(Filters::new(counters.clone()));
+    let store = Store::new(env.pool.clone(), GROUP.to_owned()).with_filters(filters.clone());
+    let applier = Arc::new(Applier::new(store, Arc::new(handler))?);
+    let order = format!("{}-order", env.name);
+    let event = |round: usize, i: usize| PaymentSucceeded {
+        event_id: format!("{}-{round}-{i}", env.name),
+        order_id: order.clone(),
+        points: 1,
+    };
+    let mut keeper = env.pool.get().await?;
+    for round in 0..ROUNDS {
+        // This round's events, then copies of two earlier rounds' events.
+        let events: Arc<Vec<PaymentSucceeded>> = Arc::new(
+            (0..EVENTS_PER_ROUND)
+                .map(|i| event(round, i))
+                .chain(
+                    [round.checked_sub(1), round.checked_sub(4)]
+                        .into_iter()
+                        .flatten()
+                        .flat_map(|earlier| (0..EVENTS_PER_ROUND).map(move |i| (earlier, i)))
+                        .map(|(earlier, i)| event(earlier, i)),
+                )
+                .collect(),
+        );
+        let (start, racers) = race(&applier, &events);
+        start.wait().await;
+        // An epoch closed by size (one record is enough), one by age, and
+        // the filters synced, while the racers claim.
+        retention::rotate(&keeper, 1).await?;
+        retention::open_epoch(&keeper).await?;
+        filters.sync(&mut keeper, usize::MAX, true).await?;
+        assert_eq!(went_in(racers).await?, EVENTS_PER_ROUND, "round {round}");
+    }
+
+    let row = keeper
+        .query_one(
+            "SELECT count(*), count(DISTINCT event_id) FROM mq_consume_record \
+             WHERE consumer_group = $1",
+            &[&GROUP],
+        )
+        .await?;
+    let all = (ROUNDS * EVENTS_PER_ROUND) as i64;
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (all, all));
+    assert_eq!(env.points(&order).await?, all);
+    // The copies were found through the filters: they asked for lookups,
+    // and held most closed epochs by the end.
+    assert!(counters.lookups.get() > 0, "no lookup asked for");
+    let closed = retention::epochs(&keeper).await?.len() - 1;
+    assert!(
+        filters.epochs().len() + 2 >= closed,
+        "{} filters for {closed} closed epochs",
+        filters.epochs().len()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_across_filtered_epochs_apply_once_in_one_statement() -> anyhow::Result<()>
+{
+    duplicates_race_across_filtered_epochs(Points).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_across_filtered_epochs_apply_once_in_a_longer_transaction()
+-> anyhow::Result<()> {
+    duplicates_race_across_filtered_epochs(Untallied(Points)).await
+}
+
+/// A database restored from before an epoch closed has that epoch current
+/// again; it takes other records, and closes again at another moment. A
+/// worker that rode out the restore holds the filter of the epoch of that
+/// number it saw before: a claim looks into the epoch as if it had none,
+/// and the worker's next sync replaces it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filter_of_an_epoch_closed_before_a_restore_covers_nothing() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let filters = Arc::new(Filters::default());
+    let store = Store::new(env.pool.clone(), GROUP.to_owned()).with_filters(filters.clone());
+    let applier = Applier::new(store, Arc::new(Points))?;
+    let payment = |id: &str| PaymentSucceeded {
+        event_id: format!("{}-{id}", env.name),
+        order_id: format!("{}-order", env.name),
+        points: 1,
+    };
+    let (before, after) = (payment("before"), payment("after"));
+    let mut client = env.pool.get().await?;
+    let epoch = *epoch_numbers(&env).await?.last().context("no epoch")?;
+    apply(&applier, &[&before]).await?;
+    retention::open_epoch(&client).await?;
+    filters.sync(&mut client, usize::MAX, true).await?;
+    assert_eq!(filters.epochs(), vec![epoch]);
+
+    // The restore: the epoch current again, without its filter; a record
+    // goes in; another process closes it again.
+    client
+        .batch_execute(&format!(
+            "DROP TABLE mq_consume_record_{next};
+             DELETE FROM mq_consume_epoch WHERE epoch = {next};
+             DELETE FROM mq_consume_filter WHERE epoch = {epoch};",
+            next = epoch + 1
+        ))
+        .await?;
+    assert!(apply(&applier, &[&after]).await?.take(&after.event_id));
+    retention::open_epoch(&client).await?;
+
+    // The filter held is from before: the copy is found all the same.
+    assert_eq!(filters.epochs(), vec![epoch]);
+    assert!(!apply(&applier, &[&after]).await?.take(&after.event_id));
+    assert!(!apply(&applier, &[&before]).await?.take(&before.event_id));
+    assert_eq!(env.points(&after.order_id).await?, 2);
+    let synced = filters.sync(&mut client, usize::MAX, true).await?;
+    assert_eq!((synced.dropped, synced.built), (vec![epoch], vec![epoch]));
+    assert!(!apply(&applier, &[&after]).await?.take(&after.event_id));
+    assert_eq!(env.points(&after.order_id).await?, 2);
+    Ok(())
+}
+
+/// A worker opens an epoch whenever the current one has taken its share,
+/// builds and stores the filter of the one it closed, and finds the events
+/// of earlier epochs through their filters: each event is applied once
+/// however far apart its copies come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_opens_epochs_by_size_and_finds_earlier_events_through_their_filters()
+-> anyhow::Result<()> {
+    // Ids come from a sequence that hands each session a thousand at a
+    // time: an epoch's share is measured in those, so the waves are larger.
+    const WAVE: usize = 3000;
+    let env = TestEnv::new().await?;
+    let epochs_before = epoch_numbers(&env).await?.len();
+    let config = WorkerConfig {
+        epochs: EpochSettings {
+            max_records: Some(1000),
+            interval: Duration::from_millis(100),
+            ..EpochSettings::default()
+        },
+        ..env.worker_config(Mode::Batch)
+    };
+    let worker = RunningWorker::start(config);
+    let wave = |n: usize| -> Vec<PaymentSucceeded> {
+        (0..WAVE)
+            .map(|i| PaymentSucceeded {
+                event_id: format!("{}-{n}-{i}", env.name),
+                order_id: format!("{}-{}", env.name, i % 10),
+                points: 1,
+            })
+            .collect()
+    };
+    let mut finished = 0;
+    for n in 0..4 {
+        // Each wave's events, with copies of the wave before and of the
+        // first: by then in closed epochs.
+        let mut events = wave(n);
+        for earlier in [n.checked_sub(1), (n > 1).then_some(0)]
+            .into_iter()
+            .flatten()
+        {
+            events.extend(wave(earlier));
+        }
+        env.publish_events(&events).await?;
+        finished += events.len() as u64;
+        worker
+            .wait_finished(finished, Duration::from_secs(30))
+            .await?;
+        wait_for(
+            "an epoch closed by size during the wave, and every closed one's filter stored",
+            Duration::from_secs(20),
+            || async {
+                let closed = epoch_numbers(&env).await?.len() - 1;
+                Ok(closed >= epochs_before + n
+                    && env.count_rows("mq_consume_filter").await? == closed as i64)
+            },
+        )
+        .await?;
+    }
+    let stats = worker.stats.snapshot();
+    let metrics = worker.stats.encode();
+    worker.stop().await?;
+
+    assert_eq!(
+        (stats.applied, stats.duplicates),
+        (4 * WAVE as u64, 5 * WAVE as u64)
+    );
+    let points: i64 = {
+        let client = env.pool.get().await?;
+        client
+            .query_one("SELECT sum(points)::bigint FROM user_points", &[])
+            .await?
+            .get(0)
+    };
+    assert_eq!(points, 4 * WAVE as i64);
+    assert!(epoch_numbers(&env).await?.len() >= epochs_before + 4);
+    assert!(
+        sample(&metrics, "idem_epoch_filters", &[]).is_some_and(|epochs| epochs >= 4.0),
+        "{metrics}"
+    );
+    // The first wave's copies were looked up where their filter said.
+    assert!(
+        sample(&metrics, "idem_epoch_lookups_total", &[])
+            .is_some_and(|lookups| lookups >= 2.0 * WAVE as f64),
+        "{metrics}"
+    );
+    Ok(())
+}
+
+/// Without memory for a filter, a worker opens no epoch by size: a closed
+/// epoch without one would cost every claim a lookup, more than a large
+/// current epoch does. One closed by age is looked into for every event,
+/// and its events are found there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_memory_for_filters_no_epoch_opens_by_size_and_earlier_events_are_still_found()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let config = WorkerConfig {
+        epochs: EpochSettings {
+            max_records: Some(100),
+            filter_memory: 0,
+            interval: Duration::from_millis(100),
+        },
+        ..env.worker_config(Mode::Batch)
+    };
+    let epochs = epoch_numbers(&env).await?;
+    let worker = RunningWorker::start(config);
+    let events: Vec<PaymentSucceeded> = (0..3000)
+        .map(|i| PaymentSucceeded {
+            event_id: format!("{}-{i}", env.name),
+            order_id: format!("{}-{}", env.name, i % 10),
+            points: 1,
+        })
+        .collect();
+    env.publish_events(&events).await?;
+    worker.wait_finished(3000, Duration::from_secs(30)).await?;
+    wait_for(
+        "the keeper to see the current epoch's records",
+        Duration::from_secs(20),
+        || async {
+            Ok(
+                sample(&worker.stats.encode(), "idem_current_epoch_records", &[])
+                    .is_some_and(|records| records >= 3000.0),
+            )
+        },
+    )
+    .await?;
+    assert_eq!(
+        epoch_numbers(&env).await?,
+        epochs,
+        "an epoch opened by size"
+    );
+
+    // An epoch closed by age, as the retention closes them: no filter for
+    // it, and the copies are found there.
+    retention::open_epoch(&*env.pool.get().await?).await?;
+    wait_for(
+        "the keeper to see the closed epoch",
+        Duration::from_secs(20),
+        || async { Ok(sample(&worker.stats.encode(), "idem_unfiltered_epochs", &[]) == Some(1.0)) },
+    )
+    .await?;
+    env.publish_events(&events).await?;
+    worker.wait_finished(6000, Duration::from_secs(30)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!((stats.applied, stats.duplicates), (3000, 3000));
+    assert_eq!(env.count_rows("mq_consume_filter").await?, 0);
+    Ok(())
 }
 
 /// `idem prune` against the test's schema and queues, with the safety

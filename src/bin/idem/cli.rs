@@ -27,7 +27,7 @@ use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 use idem::telemetry::LogFormat;
 use idem::vars;
-use idem::worker::{Mode, WorkerConfig};
+use idem::worker::{EpochSettings, Mode, WorkerConfig};
 
 /// Longest consumer group: `mq_consume_record.consumer_group`.
 const MAX_CONSUMER_GROUP_CHARS: usize = 64;
@@ -316,6 +316,27 @@ pub(crate) struct WorkerArgs {
     /// With --retention: how often to prune.
     #[arg(long, env = vars::PRUNE_INTERVAL, default_value_t = Wait(PruneSettings::DEFAULT_INTERVAL))]
     pub(crate) prune_interval: Wait,
+    /// Open the next epoch of the consume records once the current one has
+    /// taken this many, so that the index claims insert into stays small
+    /// (the closed epochs are looked into through filters); `0`: only the
+    /// retention opens epochs, by age.
+    #[arg(
+        long,
+        env = vars::EPOCH_RECORDS,
+        default_value_t = EpochSettings::DEFAULT_MAX_RECORDS,
+        help_heading = "Retention"
+    )]
+    pub(crate) epoch_records: u64,
+    /// Most memory, in MiB, the filters of the closed epochs may take in
+    /// this worker (4 bytes a record); the epochs past it are looked into
+    /// for every event, and no epoch is opened by size.
+    #[arg(
+        long,
+        env = vars::FILTER_MEMORY_MIB,
+        default_value_t = EpochSettings::DEFAULT_FILTER_MEMORY >> 20,
+        help_heading = "Retention"
+    )]
+    pub(crate) filter_memory_mib: usize,
     #[command(flatten)]
     pub(crate) retention_rules: RetentionArgs,
     #[command(flatten)]
@@ -715,9 +736,14 @@ pub(crate) struct BenchArgs {
     pub(crate) prefill: Vec<u64>,
     /// The epochs (days of a retention window) the prefilled records are
     /// spread over, the last of them current: the worker inserts into a
-    /// day's records and looks into the others.
-    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u16).range(1..))]
-    pub(crate) prefill_epochs: u16,
+    /// day's records and looks into the others through their filters
+    /// [default: as the worker's opening by size leaves them: closed epochs
+    /// of --epoch-records each, the current one half full].
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) prefill_epochs: Option<u16>,
+    /// The workers' --epoch-records [default: theirs].
+    #[arg(long)]
+    pub(crate) epoch_records: Option<u64>,
     /// Over each prefill, also a run during which the oldest day of the
     /// prefilled records is removed, as `idem prune` does.
     #[arg(long)]
@@ -1054,6 +1080,11 @@ impl WorkerArgs {
             http_addr: self.http_addr,
             summary_interval: self.summary_interval.0,
             relay: !self.no_relay,
+            epochs: EpochSettings {
+                max_records: (self.epoch_records > 0).then_some(self.epoch_records),
+                filter_memory: self.filter_memory_mib.saturating_mul(1 << 20),
+                ..defaults.epochs
+            },
             ..defaults
         })
     }
@@ -1128,6 +1159,17 @@ impl BenchArgs {
                 "--outbox measures batch mode: add batch to --modes".into(),
             ));
         }
+        // The report takes each size's runs for rounds, one per round.
+        if let Some(size) = self
+            .prefill
+            .iter()
+            .enumerate()
+            .find_map(|(i, size)| self.prefill[..i].contains(size).then_some(size))
+        {
+            return Err(SettingError(format!(
+                "--prefill gives {size} twice: give each size once, and --rounds to repeat them"
+            )));
+        }
         Ok(BenchConfig {
             amqp: self.amqp.config(),
             database: self.database.config(2),
@@ -1137,6 +1179,7 @@ impl BenchArgs {
             uuid_ids: self.uuid_ids,
             prefill: self.prefill.clone(),
             prefill_epochs: self.prefill_epochs,
+            epoch_records: self.epoch_records,
             prune_during: self.prune_during,
             prefetch: self.prefetch,
             batch_size: self.batch_size,
@@ -1254,6 +1297,26 @@ mod tests {
     #[test]
     fn verify_cli() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn a_prefill_size_given_twice_is_refused_by_name() -> Result<(), String> {
+        let bench = |prefill: &str| {
+            let cli = Cli::try_parse_from(["idem", "bench", "--prefill", prefill])
+                .map_err(|e| e.to_string())?;
+            let Command::Bench(args) = &cli.command else {
+                return Err("parsed as another command".to_owned());
+            };
+            args.config()
+                .map(|config| config.prefill)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(bench("0,5000,20000")?, [0, 5000, 20000]);
+        assert_eq!(
+            bench("0,5000,0"),
+            Err("--prefill gives 0 twice: give each size once, and --rounds to repeat them".into())
+        );
+        Ok(())
     }
 
     #[test]
