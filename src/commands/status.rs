@@ -1,6 +1,6 @@
 //! `idem status`: a consumer group at a glance. The work, wait and
 //! dead-letter queues (depth and consumers), the consume records (count,
-//! oldest), the failure ledger, and the dead letters per reason.
+//! oldest, epochs), the failure ledger, and the dead letters per reason.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -12,6 +12,7 @@ use super::dlq::{self, Action, DlqConfig, Filter, printable};
 use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry, queue_counts};
 use crate::duration::rfc3339;
 use crate::handler::Handler;
+use crate::store::retention::{self, EpochSummary};
 use crate::store::{DatabaseConfig, ReadyError, Store};
 
 /// Whose status.
@@ -47,6 +48,8 @@ pub struct Status {
     pub queues: Vec<QueueState>,
     /// Consume records of the group, and when the oldest was written.
     pub records: (i64, Option<SystemTime>),
+    /// The consume records' epochs (of every group in the schema).
+    pub epochs: EpochSummary,
     /// Events of the group the failure ledger holds.
     pub failing: i64,
     /// Dead letters per reason of their latest death.
@@ -65,6 +68,7 @@ pub async fn run<H: Handler>(
         ready => ready?,
     }
     let records = store.records().await?;
+    let epochs = retention::summary(&*store.pool().get().await?).await?;
     let failing = store.failing().await?;
     let connection =
         connect_with_retry(&config.amqp, "idem status", config.patience, shutdown).await?;
@@ -100,6 +104,7 @@ pub async fn run<H: Handler>(
         consumer_group: config.consumer_group.clone(),
         queues,
         records,
+        epochs,
         failing,
         dead_letters,
     })
@@ -134,6 +139,16 @@ impl fmt::Display for Status {
             write!(f, " (oldest {})", rfc3339(oldest.as_secs()))?;
         }
         writeln!(f)?;
+        let EpochSummary {
+            epochs,
+            filtered,
+            current_records,
+        } = self.epochs;
+        writeln!(
+            f,
+            "  epochs             {epochs} (the current one has taken about {current_records} \
+             records; {filtered} closed with a filter)"
+        )?;
         writeln!(f, "  failure ledger     {} event(s) failing", self.failing)?;
         let reasons: Vec<String> = self
             .dead_letters

@@ -250,6 +250,10 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
         "{stdout}"
     );
     assert!(
+        stdout.contains("epochs             1 (the current one has taken about "),
+        "{stdout}"
+    );
+    assert!(
         stdout.contains("failure ledger     1 event(s) failing"),
         "{stdout}"
     );
