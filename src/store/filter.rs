@@ -117,6 +117,15 @@ fn hash(digest: &Uuid) -> u64 {
     u64::from_le_bytes(first)
 }
 
+/// The filter of these hashes.
+fn filter_of(hashes: &[u64]) -> Filter {
+    let mut bits = Filter::new(BITS_PER_RECORD, hashes.len().max(1));
+    for hash in hashes {
+        bits.insert_hash(*hash);
+    }
+    bits
+}
+
 impl Filters {
     /// No filter yet, counting into `counters`.
     pub fn new(counters: EpochCounters) -> Self {
@@ -356,10 +365,7 @@ async fn build_and_store(
     while let Some(row) = rows.try_next().await? {
         hashes.push(hash(&row.try_get(0)?));
     }
-    let mut bits = Filter::new(BITS_PER_RECORD, hashes.len().max(1));
-    for hash in &hashes {
-        bits.insert_hash(*hash);
-    }
+    let bits = filter_of(&hashes);
     let stored = tx
         .execute(
             "INSERT INTO mq_consume_filter (epoch, records, filter) VALUES ($1, $2, $3) \
@@ -385,4 +391,30 @@ async fn build_and_store(
         closed_at: closed.closed_at,
         bits,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::claim::digest;
+
+    #[test]
+    fn a_filter_holds_every_record_and_about_one_other_event_in_28_000() {
+        let hashes = |ids: std::ops::Range<u32>| -> Vec<u64> {
+            ids.map(|i| hash(&digest("group", &format!("event-{i}"))))
+                .collect()
+        };
+        let records = hashes(0..100_000);
+        let filter = filter_of(&records);
+        assert_eq!(filter.as_bytes().len(), filter_bytes(100_000));
+        assert!(records.iter().all(|hash| filter.contains_hash(*hash)));
+        let others = hashes(100_000..1_100_000);
+        let held = others
+            .iter()
+            .filter(|hash| filter.contains_hash(**hash))
+            .count();
+        // 0.0036 % measured on 4 million records: about 36 of a million;
+        // 24 bits a record held 144.
+        assert!(held <= 100, "{held} of a million other events held");
+    }
 }
