@@ -123,23 +123,35 @@ impl Topology {
     /// The longest delay: RabbitMQ's `x-message-ttl` is at most 2³² − 1 ms.
     pub const MAX_RETRY_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
-    /// A topology of these names, with the default delivery limit.
-    pub fn new(
-        exchange: &str,
-        routing_key: &str,
-        queue: &str,
-        dead_letter_exchange: &str,
-        dead_letter_queue: &str,
-    ) -> Self {
+    /// The objects of the consumer group whose work queue is `queue`,
+    /// named by idem's convention: for `stock.reservations`, the
+    /// dead-letter exchange `stock.dlx` (the queue's first dotted part, or
+    /// the whole name if it has none, then `.dlx`), the dead-letter queue
+    /// `stock.reservations.dlq`, the wait queues
+    /// `stock.reservations.retry.10s`. The work queue is bound to nothing
+    /// yet: [`bound_to`](Topology::bound_to) says where its events come
+    /// from. Every name is a public field, to override after.
+    pub fn for_queue(queue: &str) -> Self {
+        let service = queue.split('.').next().unwrap_or(queue);
         Self {
-            exchange: exchange.into(),
-            routing_key: routing_key.into(),
+            exchange: String::new(),
+            routing_key: String::new(),
             queue: queue.into(),
-            dead_letter_exchange: dead_letter_exchange.into(),
-            dead_letter_queue: dead_letter_queue.into(),
+            dead_letter_exchange: format!("{service}.dlx"),
+            dead_letter_queue: format!("{queue}.dlq"),
             delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
             retry_delays: Self::DEFAULT_RETRY_DELAYS.to_vec(),
             quorum_size: Self::DEFAULT_QUORUM_SIZE,
+        }
+    }
+
+    /// The same objects, the work queue bound to the topic `exchange` that
+    /// producers publish to, with `routing_key`.
+    pub fn bound_to(self, exchange: &str, routing_key: &str) -> Self {
+        Self {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            ..self
         }
     }
 
@@ -534,8 +546,38 @@ mod tests {
     fn topology(delays: &[u64]) -> Topology {
         Topology {
             retry_delays: delays.iter().map(|ms| Duration::from_millis(*ms)).collect(),
-            ..Topology::new("x", "k", "work", "dlx", "dlq")
+            ..Topology {
+                dead_letter_exchange: "dlx".into(),
+                dead_letter_queue: "dlq".into(),
+                ..Topology::for_queue("work").bound_to("x", "k")
+            }
         }
+    }
+
+    #[test]
+    fn every_name_follows_from_the_work_queue() {
+        let topology =
+            Topology::for_queue("stock.reservations").bound_to("inventory", "stock.reserve");
+        assert_eq!(
+            (
+                topology.exchange.as_str(),
+                topology.routing_key.as_str(),
+                topology.dead_letter_exchange.as_str(),
+                topology.dead_letter_queue.as_str(),
+                topology.wait_queue(Duration::from_secs(10)).as_str()
+            ),
+            (
+                "inventory",
+                "stock.reserve",
+                "stock.dlx",
+                "stock.reservations.dlq",
+                "stock.reservations.retry.10s"
+            )
+        );
+        assert_eq!(
+            Topology::for_queue("welcome").dead_letter_exchange,
+            "welcome.dlx"
+        );
     }
 
     #[test]

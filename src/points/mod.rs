@@ -23,7 +23,7 @@ pub const EXCHANGE: &str = "payments";
 pub const ROUTING_KEY: &str = "payment.succeeded";
 /// The points consumer group's work queue.
 pub const QUEUE: &str = "points.payment-succeeded";
-/// Where the work queue dead-letters.
+/// Where the work queue dead-letters (as [`topology`] names it).
 pub const DEAD_LETTER_EXCHANGE: &str = "points.dlx";
 /// Where dead letters wait to be replayed.
 pub const DEAD_LETTER_QUEUE: &str = "points.payment-succeeded.dlq";
@@ -32,15 +32,10 @@ pub const CONSUMER_GROUP: &str = "points-consumer-group";
 /// The routing key of `points.credited`.
 pub const CREDITED_ROUTING_KEY: &str = "points.credited";
 
-/// The exchanges and queues of the points worker (DESIGN.md, topology).
+/// The exchanges and queues of the points worker (DESIGN.md, topology):
+/// idem's convention for its work queue.
 pub fn topology() -> Topology {
-    Topology::new(
-        EXCHANGE,
-        ROUTING_KEY,
-        QUEUE,
-        DEAD_LETTER_EXCHANGE,
-        DEAD_LETTER_QUEUE,
-    )
+    Topology::for_queue(QUEUE).bound_to(EXCHANGE, ROUTING_KEY)
 }
 
 /// Credits an order's points once per payment event.

@@ -26,13 +26,7 @@ use crate::proxy::Proxy;
 fn topology() -> Topology {
     Topology {
         retry_delays: TEST_RETRY_DELAYS.to_vec(),
-        ..Topology::new(
-            "inventory",
-            "stock.reserve",
-            "stock.reservations",
-            "stock.dlx",
-            "stock.reservations.dlq",
-        )
+        ..Topology::for_queue("stock.reservations").bound_to("inventory", "stock.reserve")
     }
 }
 
