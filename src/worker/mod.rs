@@ -166,24 +166,42 @@ impl WorkerConfig {
     pub const DEFAULT_SUMMARY_INTERVAL: Duration = Duration::from_secs(60);
 
     /// A worker of `consumer_group` on `topology`, in batch mode, with
-    /// idem's defaults for everything else (the database's pool is sized
-    /// for the transactions in flight, see [`WorkerConfig::with_mode`]).
+    /// idem's defaults for everything else; see [`WorkerConfig::in_mode`].
     pub fn new(
         amqp: AmqpConfig,
         database: DatabaseConfig,
         topology: Topology,
         consumer_group: impl Into<String>,
     ) -> Self {
-        let config = Self {
+        Self::in_mode(Mode::Batch, amqp, database, topology, consumer_group)
+    }
+
+    /// A worker of `consumer_group` on `topology` in `mode`: that mode's
+    /// [`Tuning`], and a pool of two connections more than the transactions
+    /// in flight (the extra ones serve the failure ledger while
+    /// transactions hold the others), whatever `database` said. Change any
+    /// field after; [`WorkerConfig::check`] (which [`Worker::run`] calls)
+    /// refuses a combination that would not work.
+    pub fn in_mode(
+        mode: Mode,
+        amqp: AmqpConfig,
+        database: DatabaseConfig,
+        topology: Topology,
+        consumer_group: impl Into<String>,
+    ) -> Self {
+        let tuning = mode.tuning();
+        Self {
             amqp,
-            database,
+            database: DatabaseConfig {
+                pool_size: tuning.max_in_flight + 2,
+                ..database
+            },
             topology,
             consumer_group: consumer_group.into(),
-            // These three are the mode's: `with_mode` sets them.
-            prefetch: 0,
-            batch_size: 0,
+            prefetch: tuning.prefetch,
+            batch_size: tuning.batch_size,
             batch_wait: Self::DEFAULT_BATCH_WAIT,
-            max_in_flight: 0,
+            max_in_flight: tuning.max_in_flight,
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
@@ -192,31 +210,126 @@ impl WorkerConfig {
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
             relay: true,
             epochs: EpochSettings::default(),
-        };
-        config.with_mode(Mode::Batch)
-    }
-
-    /// The same worker in `mode`, with that mode's [`Tuning`], and a pool of
-    /// two connections more than the transactions in flight: the extra ones
-    /// serve the failure ledger while transactions hold the others.
-    pub fn with_mode(self, mode: Mode) -> Self {
-        let tuning = mode.tuning();
-        Self {
-            prefetch: tuning.prefetch,
-            batch_size: tuning.batch_size,
-            max_in_flight: tuning.max_in_flight,
-            database: DatabaseConfig {
-                pool_size: tuning.max_in_flight + 2,
-                ..self.database
-            },
-            ..self
         }
     }
+
+    /// Refuses settings with which the worker could not keep its
+    /// guarantees or could not work at all: checked before it connects to
+    /// anything, so that a mistake is one error at start-up rather than
+    /// deliveries held for ever.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        check_consumer_group(&self.consumer_group)?;
+        if self.topology.exchange.is_empty() || self.topology.routing_key.is_empty() {
+            return Err(ConfigError::Unbound {
+                queue: self.topology.queue.clone(),
+            });
+        }
+        if self.max_attempts == 0 {
+            return Err(ConfigError::Zero("max_attempts"));
+        }
+        if self.prefetch == 0 {
+            return Err(ConfigError::Zero("prefetch"));
+        }
+        if self.batch_size == 0 {
+            return Err(ConfigError::Zero("batch_size"));
+        }
+        if self.max_in_flight == 0 {
+            return Err(ConfigError::Zero("max_in_flight"));
+        }
+        if self.topology.delivery_limit < self.max_attempts {
+            return Err(ConfigError::DeliveryLimitBelowAttempts {
+                delivery_limit: self.topology.delivery_limit,
+                max_attempts: self.max_attempts,
+            });
+        }
+        if self.batch_size > usize::from(self.prefetch) {
+            return Err(ConfigError::BatchAbovePrefetch {
+                batch_size: self.batch_size,
+                prefetch: self.prefetch,
+            });
+        }
+        if self.database.pool_size < self.max_in_flight + 2 {
+            return Err(ConfigError::PoolTooSmall {
+                pool_size: self.database.pool_size,
+                max_in_flight: self.max_in_flight,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Longest consumer group, in characters: `mq_consume_record.consumer_group`.
+pub const MAX_CONSUMER_GROUP_CHARS: usize = 64;
+
+/// Refuses a consumer group that idem's tables cannot hold: empty, blank,
+/// or longer than [`MAX_CONSUMER_GROUP_CHARS`].
+pub fn check_consumer_group(group: &str) -> Result<(), ConfigError> {
+    if group.trim().is_empty() || group.chars().count() > MAX_CONSUMER_GROUP_CHARS {
+        return Err(ConfigError::ConsumerGroup {
+            group: group.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// A worker's settings that cannot work together, found before it starts.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The consumer group is part of every consume record's key.
+    #[error("the consumer group must be 1 to {MAX_CONSUMER_GROUP_CHARS} characters, got {group:?}")]
+    ConsumerGroup {
+        /// The group given.
+        group: String,
+    },
+    /// The work queue is bound to no exchange.
+    #[error(
+        "the topology of {queue} names no exchange or routing key to bind it to (Topology::bound_to)"
+    )]
+    Unbound {
+        /// The work queue.
+        queue: String,
+    },
+    /// A setting that must be at least 1.
+    #[error("{0} must be at least 1")]
+    Zero(&'static str),
+    /// The broker's backstop would dead-letter before idem's budget is spent.
+    #[error(
+        "the delivery limit ({delivery_limit}) must be at least max_attempts ({max_attempts}): \
+         it is the backstop above the failure ledger's budget, for messages that crash the worker"
+    )]
+    DeliveryLimitBelowAttempts {
+        /// The work queue's `x-delivery-limit`.
+        delivery_limit: u32,
+        /// The failure ledger's budget.
+        max_attempts: u32,
+    },
+    /// A batch that could never fill.
+    #[error("batch_size ({batch_size}) is above prefetch ({prefetch}): a batch could never fill")]
+    BatchAbovePrefetch {
+        /// Deliveries per transaction.
+        batch_size: usize,
+        /// Unacknowledged deliveries the broker sends.
+        prefetch: u16,
+    },
+    /// Transactions in flight would starve the failure ledger of connections.
+    #[error(
+        "the pool ({pool_size} connections) must hold max_in_flight ({max_in_flight}) + 2: \
+         the extra two serve the failure ledger while transactions hold the others"
+    )]
+    PoolTooSmall {
+        /// Connections in the pool.
+        pool_size: usize,
+        /// Transactions in flight.
+        max_in_flight: usize,
+    },
 }
 
 /// Why the worker stopped other than by being asked to.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// The worker's settings cannot work together.
+    #[error(transparent)]
+    Settings(#[from] ConfigError),
     /// The database configuration is unusable.
     #[error(transparent)]
     Config(#[from] crate::store::ConfigError),
@@ -279,6 +392,7 @@ impl<H: Handler> Worker<H> {
     /// in-flight ones finish and be acked (for at most the shutdown
     /// timeout), closes the channel and the connection, and returns `Ok`.
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), WorkerError> {
+        self.config.check()?;
         // Bound before anything else: a port taken is a mistake to say at once.
         let listener = match self.config.http_addr {
             Some(addr) => Some(

@@ -444,13 +444,13 @@ impl TestEnv {
         WorkerConfig {
             shutdown_timeout: patient(Duration::from_secs(10)),
             startup_timeout: patient(Duration::from_secs(10)),
-            ..WorkerConfig::new(
+            ..WorkerConfig::in_mode(
+                mode,
                 self.amqp.clone(),
                 self.database.clone(),
                 self.topology.clone(),
                 GROUP,
             )
-            .with_mode(mode)
         }
     }
 
