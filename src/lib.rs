@@ -68,18 +68,22 @@
 //!     }
 //! }
 //!
+//! // Every idem command for this handler: migrate, worker, dlq, status, …
+//! fn main() -> std::process::ExitCode {
+//!     idem::cli::Service::new(Welcome)
+//!         .topology(Topology::for_queue("welcome.signed-up").bound_to("accounts", "account.signed-up"))
+//!         .consumer_group("welcome-emails")
+//!         .run()
+//! }
+//!
+//! // Or the worker alone, inside a service of your own.
 //! # async fn run() -> anyhow::Result<()> {
 //! let amqp = AmqpConfig::new(SecretUrl::new("amqp://guest:guest@127.0.0.1:5672/%2f"));
 //! let database = DatabaseConfig::new(SecretUrl::new("postgres://postgres@127.0.0.1/postgres"));
 //! // idem's tables and the handler's, each tracked apart; safe to run at every start.
 //! migrate::run::<Welcome>(&database.pool()?, None).await?;
-//! let topology = Topology::new(
-//!     "accounts",                  // the exchange producers publish to
-//!     "account.signed-up",         // the routing key the work queue is bound with
-//!     "welcome.signed-up",         // this consumer group's work queue
-//!     "welcome.dlx",
-//!     "welcome.signed-up.dlq",
-//! );
+//! // The work queue names the rest: welcome.dlx, welcome.signed-up.dlq, …
+//! let topology = Topology::for_queue("welcome.signed-up").bound_to("accounts", "account.signed-up");
 //! let config = WorkerConfig::new(amqp, database, topology, "welcome-emails");
 //! let shutdown = CancellationToken::new(); // cancel it on SIGTERM to drain and stop
 //! Worker::new(config, Welcome).run(shutdown).await?;
@@ -89,6 +93,15 @@
 //!
 //! `examples/stock` is a whole service built this way, with a constraint
 //! that can fail.
+//!
+//! # Features
+//!
+//! - `cli` — [`cli`], and with it clap, indicatif and csv.
+//! - `tools` (default, implies `cli`) — the points binary's `publish`,
+//!   `demo`, `bench` and `lab`, and Redis for the lab.
+//!
+//! A service that runs only [`worker::Worker`] depends on idem with
+//! `default-features = false` and gets none of them.
 //!
 //! # Layout
 //!
@@ -100,7 +113,11 @@
 //! - [`broker`] — RabbitMQ: connections, topology, confirmed publishing,
 //!   dead-letter headers.
 //! - [`worker`] — the consume loop: batches, processing, settling, shutdown.
-//! - [`commands`] — `publish`, `dlq` (and `requeue`), `status`, `demo`, `bench` and `lab`.
+//! - [`cli`] — every operator command for any handler's binary, in one call
+//!   (feature `cli`).
+//! - [`commands`] — what the commands do: `dlq` (and `requeue`), `status`,
+//!   `prune`, `reconcile`; `publish`, `demo`, `bench` and `lab` for points
+//!   (feature `tools`).
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
 //! - [`duration`] — durations as flags and queue names write them.
@@ -113,8 +130,11 @@
 pub mod backoff;
 pub mod broker;
 mod caught;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod commands;
 pub mod duration;
+#[cfg(feature = "tools")]
 pub mod generate;
 pub mod handler;
 pub mod points;
@@ -126,3 +146,10 @@ pub mod telemetry;
 pub mod tls;
 pub mod vars;
 pub mod worker;
+
+/// The connection pool behind [`handler::Transaction`].
+pub use deadpool_postgres;
+/// The PostgreSQL client whose types idem's signatures name (a handler's
+/// [`Transaction`](handler::Transaction), its errors): depend on this one
+/// rather than pinning a second copy.
+pub use tokio_postgres;

@@ -2,11 +2,13 @@
 //! rate, time left), a log line at intervals elsewhere (a pipe, a log
 //! shipper), nothing at all for work run inside a test or another command.
 
+#[cfg(feature = "cli")]
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cli")]
 use indicatif::{ProgressBar, ProgressStyle};
 use tracing::info;
 
@@ -20,6 +22,8 @@ pub struct Progress(Option<Arc<Shown>>);
 
 #[derive(Debug)]
 enum Shown {
+    /// On a terminal, with the `cli` feature.
+    #[cfg(feature = "cli")]
     Bar(ProgressBar),
     Lines {
         what: &'static str,
@@ -37,30 +41,31 @@ impl Progress {
     }
 
     /// Progress of `what` ("publishing") over `total` items: a bar when
-    /// standard error is a terminal, a line every few seconds when not.
+    /// standard error is a terminal (with the `cli` feature), a line every
+    /// few seconds when not.
     pub fn new(what: &'static str, total: u64) -> Self {
-        let shown = if std::io::stderr().is_terminal() {
+        #[cfg(feature = "cli")]
+        if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total).with_message(what);
             let template = "{msg} {wide_bar} {pos}/{len} {per_sec} eta {eta}";
             if let Ok(style) = ProgressStyle::with_template(template) {
                 bar.set_style(style);
             }
-            Shown::Bar(bar)
-        } else {
-            Shown::Lines {
-                what,
-                total: AtomicU64::new(total),
-                done: AtomicU64::new(0),
-                started: Instant::now(),
-                last: Mutex::new(Instant::now()),
-            }
-        };
-        Self(Some(Arc::new(shown)))
+            return Self(Some(Arc::new(Shown::Bar(bar))));
+        }
+        Self(Some(Arc::new(Shown::Lines {
+            what,
+            total: AtomicU64::new(total),
+            done: AtomicU64::new(0),
+            started: Instant::now(),
+            last: Mutex::new(Instant::now()),
+        })))
     }
 
     /// The total, once it is known.
     pub fn set_total(&self, total: u64) {
         match self.0.as_deref() {
+            #[cfg(feature = "cli")]
             Some(Shown::Bar(bar)) => bar.set_length(total),
             Some(Shown::Lines { total: known, .. }) => known.store(total, Ordering::Relaxed),
             None => {}
@@ -70,6 +75,7 @@ impl Progress {
     /// `n` more done.
     pub fn inc(&self, n: u64) {
         match self.0.as_deref() {
+            #[cfg(feature = "cli")]
             Some(Shown::Bar(bar)) => bar.inc(n),
             Some(shown @ Shown::Lines { done, last, .. }) => {
                 done.fetch_add(n, Ordering::Relaxed);
@@ -94,6 +100,7 @@ impl Progress {
     /// error says how far it got) or there was none.
     pub fn finish<T, E>(&self, outcome: &Result<T, E>) {
         match self.0.as_deref() {
+            #[cfg(feature = "cli")]
             Some(Shown::Bar(bar)) => bar.finish_and_clear(),
             Some(shown @ Shown::Lines { .. }) if outcome.is_ok() => shown.line(true),
             _ => {}
@@ -105,6 +112,7 @@ impl Shown {
     /// How far the work got: with the time left while it runs, with the
     /// time it took once `finished`.
     fn line(&self, finished: bool) {
+        #[cfg_attr(not(feature = "cli"), allow(irrefutable_let_patterns))]
         let Shown::Lines {
             what,
             total,

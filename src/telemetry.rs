@@ -32,9 +32,14 @@ impl LogFormat {
 /// one JSON object (as the subscriber writes them) with `--log-format json`.
 /// Written directly, so that no filter can hide it.
 pub fn fatal(format: LogFormat, message: &str) {
+    fatal_as("idem", format, message);
+}
+
+/// [`fatal`] for the binary `name` (a service built on idem).
+pub fn fatal_as(name: &str, format: LogFormat, message: &str) {
     let message = message.replace('\n', " ");
     match format {
-        LogFormat::Text => eprintln!("idem: {message}"),
+        LogFormat::Text => eprintln!("{name}: {message}"),
         LogFormat::Json => {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -42,7 +47,7 @@ pub fn fatal(format: LogFormat, message: &str) {
             let line = serde_json::json!({
                 "timestamp": crate::duration::rfc3339(now.as_secs()),
                 "level": "ERROR",
-                "fields": {"message": format!("idem: {message}")},
+                "fields": {"message": format!("{name}: {message}")},
                 "target": "idem",
             });
             eprintln!("{line}");

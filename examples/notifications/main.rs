@@ -11,23 +11,14 @@
 //! ```sh
 //! cargo run --example notifications -- migrate
 //! cargo run --example notifications -- worker     # until SIGINT/SIGTERM
+//! cargo run --example notifications -- --help     # every idem command
 //! ```
-//!
-//! It reads `AMQP_URL`, `DATABASE_URL`, `IDEM_SCHEMA` and `IDEM_MODE`, as
-//! `idem` does; everything else is idem's defaults.
-
-#[path = "../common/mod.rs"]
-mod common;
 
 use std::process::ExitCode;
-
-use tokio_util::sync::CancellationToken;
 
 use idem::broker::Topology;
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
 use idem::points::{CREDITED_ROUTING_KEY, PointsCredited};
-use idem::store::migrate;
-use idem::worker::{Worker, WorkerConfig};
 
 /// Queues a notification per credit.
 struct Notifications;
@@ -76,40 +67,12 @@ impl Handler for Notifications {
     }
 }
 
-/// The points service's exchange, and this consumer group's queues.
-fn topology() -> Topology {
-    Topology::new(
-        "points.events",
-        CREDITED_ROUTING_KEY,
-        "notifications.points-credited",
-        "notifications.dlx",
-        "notifications.points-credited.dlq",
-    )
-}
-
-const CONSUMER_GROUP: &str = "notifications";
-
-fn config() -> anyhow::Result<WorkerConfig> {
-    common::worker_config(topology(), CONSUMER_GROUP)
-}
-
-async fn run(command: &str, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let config = config()?;
-    match command {
-        "migrate" => {
-            let pool = config.database.pool()?;
-            let applied =
-                migrate::run::<Notifications>(&pool, config.database.schema.as_deref()).await?;
-            println!("migrations: applied {}", applied.join(", "));
-        }
-        "worker" => Worker::new(config, Notifications).run(shutdown).await?,
-        other => anyhow::bail!("unknown command {other:?}: migrate or worker"),
-    }
-    Ok(())
-}
-
 fn main() -> ExitCode {
-    common::main("notifications", |command, shutdown| async move {
-        run(&command, shutdown).await
-    })
+    idem::cli::Service::new(Notifications)
+        .topology(
+            Topology::for_queue("notifications.points-credited")
+                .bound_to("points.events", CREDITED_ROUTING_KEY),
+        )
+        .consumer_group("notifications")
+        .run()
 }

@@ -120,6 +120,44 @@ pub trait Handler: Send + Sync + 'static {
     }
 }
 
+/// A shared handler is the same handler: what lets one value serve a
+/// worker and the tasks beside it (a pruner, say).
+impl<H: Handler> Handler for std::sync::Arc<H> {
+    type Event = H::Event;
+
+    const NAME: &'static str = H::NAME;
+    const MIGRATIONS: &'static [Migration] = H::MIGRATIONS;
+    const SENDS_MESSAGES: bool = H::SENDS_MESSAGES;
+
+    fn decode(&self, body: &[u8]) -> Result<Self::Event, Invalid> {
+        (**self).decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e Self::Event) -> &'e str {
+        (**self).event_id(event)
+    }
+
+    fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&Self::Event],
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        (**self).apply(tx, events)
+    }
+
+    fn classify(&self, error: &tokio_postgres::Error) -> FailureKind {
+        (**self).classify(error)
+    }
+
+    fn tally(&self) -> Option<Tally<Self::Event>> {
+        (**self).tally()
+    }
+
+    fn outgoing(&self, event: &Self::Event) -> Vec<OutboxMessage> {
+        (**self).outgoing(event)
+    }
+}
+
 /// A message for the outbox: where it goes and what it says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxMessage {

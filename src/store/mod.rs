@@ -27,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 pub use apply::{Applier, Claimed, Failure, apply_tally};
+#[cfg(feature = "tools")]
 pub(crate) use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded};
 pub use failure::StoreError;

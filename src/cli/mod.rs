@@ -1,0 +1,657 @@
+//! Every operator command idem has, for any handler's binary: a service's
+//! `main` is its handler and one call.
+//!
+//! ```no_run
+//! # use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+//! # struct Stock;
+//! # impl Handler for Stock {
+//! #     type Event = String;
+//! #     const NAME: &'static str = "stock";
+//! #     fn decode(&self, body: &[u8]) -> Result<String, Invalid> { Ok(String::from_utf8(body.to_vec())?) }
+//! #     fn event_id<'e>(&self, event: &'e String) -> &'e str { event }
+//! #     async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> { Ok(()) }
+//! # }
+//! use idem::broker::Topology;
+//!
+//! fn main() -> std::process::ExitCode {
+//!     idem::cli::Service::new(Stock)
+//!         .topology(Topology::for_queue("stock.reservations").bound_to("inventory", "stock.reserve"))
+//!         .run()
+//! }
+//! ```
+//!
+//! The binary then has `migrate`, `worker`, `requeue`, `dlq` (summary,
+//! list, replay, discard), `status`, `reconcile`, `relay` and `prune`, with
+//! the flags, environment variables, help, errors and exit codes of the
+//! `idem` binary; the topology and consumer group given here are the
+//! defaults of `--queue`, `--exchange`, `--consumer-group` and the rest.
+//! A service adds subcommands of its own with [`Service::commands`], and
+//! flags of its own to `worker` with [`Service::worker_flags`].
+//!
+//! [`run`] is the shortest form: the queue and the consumer group are the
+//! handler's [`NAME`](Handler::NAME), and `--exchange` and `--routing-key`
+//! must be given.
+
+mod args;
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::error::ErrorKind;
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, warn};
+
+pub use args::{AmqpArgs, DatabaseArgs, Delays, RouteArgs, SettingError, Wait, WaitArgs, choice};
+
+use crate::broker::Topology;
+use crate::commands::dlq::{self, Printed};
+use crate::commands::{prune, reconcile, status};
+use crate::handler::Handler;
+use crate::progress::Progress;
+use crate::relay;
+use crate::store::{ReadyError, Store, migrate};
+use crate::telemetry::{self, LogFormat};
+use crate::vars;
+use crate::worker::{Worker, WorkerConfig, WorkerError};
+use args::{
+    DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs, WorkerArgs,
+};
+
+/// The log filter unless `RUST_LOG` says otherwise: lapin logs from its own
+/// task what it also returns to idem, and idem logs each error once, where
+/// it is handled.
+pub const DEFAULT_LOG_FILTER: &str = "info,lapin=off,tokio_postgres=warn";
+
+/// Runs the command line of a binary of `handler`, with every idem command:
+/// its queue and consumer group named after the handler, its exchange and
+/// routing key given by flags. [`Service`] says more.
+pub fn run<H: Handler>(handler: H) -> ExitCode {
+    Service::new(handler).run()
+}
+
+/// A handler's binary: its names, the defaults of its topology, and the
+/// commands and flags of its own.
+pub struct Service<H, X = NoCommands, F = NoFlags> {
+    /// The effect every command works for.
+    handler: H,
+    /// The binary's name, in its help and in the line an error ends with.
+    name: String,
+    /// The first line of its help.
+    about: Option<String>,
+    /// What `--version` prints.
+    version: Option<String>,
+    /// The defaults of the topology flags.
+    topology: Topology,
+    /// The default of `--consumer-group`.
+    consumer_group: String,
+    /// The service's own subcommands and worker flags.
+    own: PhantomData<fn() -> (X, F)>,
+}
+
+/// Subcommands of a service's own, beside idem's: a `clap::Subcommand` enum
+/// and how each runs.
+pub trait Commands<H: Handler>: Subcommand {
+    /// The log filter of this command unless `RUST_LOG` is set.
+    fn log_filter(&self) -> &'static str {
+        DEFAULT_LOG_FILTER
+    }
+
+    /// Runs the command until it is done or `shutdown` (SIGINT, SIGTERM)
+    /// fires; an error is printed on one line and exits 1.
+    fn run(
+        self,
+        handler: &H,
+        shutdown: CancellationToken,
+    ) -> impl Future<Output = anyhow::Result<ExitCode>>;
+}
+
+/// Flags of a service's own for `worker` (a `clap::Args` struct), and how
+/// the worker starts with them: with the handler as it is, or another one
+/// the flags make of it.
+pub trait WorkerFlags<H: Handler>: Args {
+    /// Starts the worker that `worker` says.
+    fn start(
+        self,
+        handler: Arc<H>,
+        worker: WorkerStart,
+    ) -> impl Future<Output = Result<(), WorkerError>>;
+}
+
+/// A worker about to start, its settings read from the flags.
+pub struct WorkerStart {
+    /// What the flags say.
+    pub config: WorkerConfig,
+    /// Fires on SIGINT or SIGTERM.
+    pub shutdown: CancellationToken,
+}
+
+impl WorkerStart {
+    /// Runs the worker with `handler` until shutdown.
+    pub async fn run<G: Handler>(self, handler: G) -> Result<(), WorkerError> {
+        Worker::new(self.config, handler).run(self.shutdown).await
+    }
+}
+
+/// No subcommands beyond idem's.
+#[derive(Debug, Clone, Copy, Subcommand)]
+pub enum NoCommands {}
+
+impl<H: Handler> Commands<H> for NoCommands {
+    async fn run(self, _: &H, _: CancellationToken) -> anyhow::Result<ExitCode> {
+        match self {}
+    }
+}
+
+/// No worker flags beyond idem's.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct NoFlags {}
+
+impl<H: Handler> WorkerFlags<H> for NoFlags {
+    async fn start(self, handler: Arc<H>, worker: WorkerStart) -> Result<(), WorkerError> {
+        worker.run(handler).await
+    }
+}
+
+/// The command line as clap reads it; its name and about are the service's.
+#[derive(Debug, Parser)]
+#[command(about = None, long_about = None)]
+struct Cli<X: Subcommand, F: Args> {
+    /// Log format.
+    #[arg(
+        long,
+        env = vars::LOG_FORMAT,
+        default_value = LogFormat::default().as_flag(),
+        value_parser = choice(&LogFormat::ALL, |format| format.as_flag()),
+        global = true,
+        help_heading = "Global options"
+    )]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command<X, F>,
+}
+
+/// What to do.
+#[derive(Debug, Subcommand)]
+enum Command<X: Subcommand, F: Args> {
+    /// Apply idem's migrations and the handler's (idempotent; safe to run
+    /// concurrently).
+    Migrate(MigrateArgs),
+    /// Consume and apply events until SIGINT/SIGTERM, then drain and exit 0.
+    Worker(Box<WorkerArgs<F>>),
+    /// Replay dead-lettered messages to the queue they died in (all of them;
+    /// `dlq` filters).
+    Requeue(RequeueArgs),
+    /// Dead-letter triage: a summary, a listing, a replay or a discard, of
+    /// the dead letters that match the filters.
+    Dlq(DlqArgs),
+    /// A consumer group at a glance: its queues, records, ledger and dead letters.
+    Status(StatusArgs),
+    /// Compare the upstream's export of the events it sent with what idem
+    /// recorded; exits 1 unless everything matches.
+    Reconcile(ReconcileArgs),
+    /// Publish what the outbox holds (with confirms), until SIGINT/SIGTERM
+    /// or, with --until-empty, until nothing is due.
+    Relay(RelayArgs),
+    /// Remove the consume records older than a window (a whole epoch at a
+    /// time), and the ledger and outbox rows older than it, keeping what a
+    /// dead letter may still need.
+    Prune(PruneArgs),
+    #[command(flatten)]
+    Own(X),
+}
+
+impl<H: Handler> Service<H> {
+    /// The commands of `handler`'s binary, named after the handler: the
+    /// binary, the work queue (by [`Topology::for_queue`]'s convention) and
+    /// the consumer group are its [`NAME`](Handler::NAME) until said
+    /// otherwise.
+    pub fn new(handler: H) -> Self {
+        Self {
+            handler,
+            name: H::NAME.to_owned(),
+            about: None,
+            version: None,
+            topology: Topology::for_queue(H::NAME),
+            consumer_group: H::NAME.to_owned(),
+            own: PhantomData,
+        }
+    }
+}
+
+impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
+    /// The binary's name, for its help and its errors.
+    pub fn name(self, name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ..self
+        }
+    }
+
+    /// The first line of its help.
+    pub fn about(self, about: impl Into<String>) -> Self {
+        Self {
+            about: Some(about.into()),
+            ..self
+        }
+    }
+
+    /// What `--version` prints.
+    pub fn version(self, version: impl Into<String>) -> Self {
+        Self {
+            version: Some(version.into()),
+            ..self
+        }
+    }
+
+    /// The defaults of the topology flags (`--exchange`, `--routing-key`,
+    /// `--queue`, `--dead-letter-exchange`, `--dead-letter-queue`).
+    pub fn topology(self, topology: Topology) -> Self {
+        Self { topology, ..self }
+    }
+
+    /// The default of `--consumer-group`.
+    pub fn consumer_group(self, group: impl Into<String>) -> Self {
+        Self {
+            consumer_group: group.into(),
+            ..self
+        }
+    }
+
+    /// Subcommands of the service's own, listed after idem's.
+    pub fn commands<Y: Commands<H>>(self) -> Service<H, Y, F> {
+        Service {
+            handler: self.handler,
+            name: self.name,
+            about: self.about,
+            version: self.version,
+            topology: self.topology,
+            consumer_group: self.consumer_group,
+            own: PhantomData,
+        }
+    }
+
+    /// Flags of the service's own for `worker`.
+    pub fn worker_flags<G: WorkerFlags<H>>(self) -> Service<H, X, G> {
+        Service {
+            handler: self.handler,
+            name: self.name,
+            about: self.about,
+            version: self.version,
+            topology: self.topology,
+            consumer_group: self.consumer_group,
+            own: PhantomData,
+        }
+    }
+
+    /// The whole command line, as `--help` shows it.
+    pub fn command(&self) -> clap::Command {
+        let about = self.about.clone().unwrap_or_else(|| {
+            format!(
+                "{}: the {} handler's worker and operator commands, on idem",
+                self.name,
+                H::NAME
+            )
+        });
+        let mut command = Cli::<X, F>::command().name(self.name.clone()).about(about);
+        if let Some(version) = &self.version {
+            command = command.version(version.clone());
+        }
+        let topology = &self.topology;
+        let defaults = [
+            ("exchange", &topology.exchange),
+            ("routing_key", &topology.routing_key),
+            ("queue", &topology.queue),
+            ("dead_letter_exchange", &topology.dead_letter_exchange),
+            ("dead_letter_queue", &topology.dead_letter_queue),
+            ("consumer_group", &self.consumer_group),
+        ];
+        with_defaults(command, &defaults)
+    }
+
+    /// Parses the process's arguments, sets up logging and signals, runs
+    /// the command, and says how it went: 0, 1 when it failed (one line on
+    /// standard error), 2 for a usage error.
+    pub fn run(self) -> ExitCode {
+        self.run_from(std::env::args_os())
+    }
+
+    /// [`run`](Service::run) with these arguments, the binary's name first.
+    pub fn run_from<I, T>(self, args: I) -> ExitCode
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
+        let command = self.command();
+        let cli = match command
+            .clone()
+            .try_get_matches_from(&args)
+            .and_then(|matches| Cli::<X, F>::from_arg_matches(&matches))
+        {
+            Ok(cli) => cli,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::DisplayHelp
+                        | ErrorKind::DisplayVersion
+                        | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+                ) =>
+            {
+                e.exit()
+            }
+            Err(e) => {
+                let line = format!(
+                    "{} (see {} --help)",
+                    usage_error(&e),
+                    asked(&command, &args)
+                );
+                telemetry::fatal_as(&self.name, log_format_asked(&args), &line);
+                return ExitCode::from(2);
+            }
+        };
+        let format = cli.log_format;
+        let filter = match &cli.command {
+            Command::Own(own) => own.log_filter(),
+            _ => DEFAULT_LOG_FILTER,
+        };
+        telemetry::init(filter, format);
+        let name = self.name.clone();
+        // One thread: idem's own work per message is small next to lapin's I/O
+        // thread and PostgreSQL, and a single thread saves the wake-ups between
+        // threads that a multi-threaded runtime pays per batch and per ack
+        // (measured with `idem bench`: about a sixth less CPU per message).
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(runtime) => runtime,
+            Err(e) => {
+                telemetry::fatal_as(
+                    &name,
+                    format,
+                    &format!("cannot start the async runtime: {e}"),
+                );
+                return ExitCode::FAILURE;
+            }
+        };
+        runtime.block_on(async {
+            let shutdown = CancellationToken::new();
+            if let Err(e) = watch_signals(shutdown.clone()) {
+                telemetry::fatal_as(
+                    &name,
+                    format,
+                    &format!("cannot install signal handlers: {e}"),
+                );
+                return ExitCode::FAILURE;
+            }
+            match self.dispatch(cli.command, shutdown).await {
+                Ok(code) => code,
+                Err(e) => {
+                    telemetry::fatal_as(&name, format, &one_line(&e));
+                    ExitCode::FAILURE
+                }
+            }
+        })
+    }
+
+    /// Runs one command.
+    async fn dispatch(
+        self,
+        command: Command<X, F>,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<ExitCode> {
+        let handler = self.handler;
+        match command {
+            Command::Migrate(args) => {
+                let database = args.database.config(1);
+                let pool = database.pool()?;
+                let applied = migrate::run_when_ready::<H>(
+                    &pool,
+                    database.schema.as_deref(),
+                    args.wait.startup_timeout(),
+                    &shutdown,
+                )
+                .await
+                .with_context(|| format!("migrating {}", database.describe()))?;
+                match applied.as_slice() {
+                    [] => println!("migrations: up to date"),
+                    names => println!("migrations: applied {}", names.join(", ")),
+                }
+            }
+            Command::Worker(args) => {
+                let args = *args;
+                let config = args.config()?;
+                let handler = Arc::new(handler);
+                let pruner = args.pruner()?.map(|(settings, interval)| {
+                    let shutdown = shutdown.child_token();
+                    let stop = shutdown.clone();
+                    let handler = Arc::clone(&handler);
+                    let task =
+                        tokio::spawn(prune::keep_pruning(settings, handler, interval, shutdown));
+                    (task, stop)
+                });
+                let start = WorkerStart {
+                    config,
+                    shutdown: shutdown.clone(),
+                };
+                let worked = args.own.start(handler, start).await;
+                if let Some((task, stop)) = pruner {
+                    stop.cancel();
+                    let _ = task.await;
+                }
+                worked?;
+            }
+            Command::Relay(args) => return relay_outbox::<H>(&args, &shutdown).await,
+            Command::Prune(args) => {
+                let settings = args.config()?;
+                let outcome = prune::run(&settings, &handler, &shutdown).await?;
+                println!("{outcome}");
+            }
+            Command::Requeue(args) => {
+                let (config, action, view) = args.config()?;
+                return dead_letters(&config, &action, view, &handler, &shutdown).await;
+            }
+            Command::Dlq(args) => {
+                let (config, action, view) = args.config()?;
+                return dead_letters(&config, &action, view, &handler, &shutdown).await;
+            }
+            Command::Reconcile(args) => {
+                let config = args.config()?;
+                let found = reconcile::run(&config, &handler, &shutdown).await?;
+                println!("{found}");
+                if !found.matched() {
+                    return Ok(ExitCode::FAILURE);
+                }
+            }
+            Command::Status(args) => {
+                let status = status::run(&args.config()?, &handler, &shutdown).await?;
+                println!("{status}");
+            }
+            Command::Own(own) => return own.run(&handler, shutdown).await,
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// `relay`: publishes the outbox until shutdown, or until it is empty.
+async fn relay_outbox<H: Handler>(
+    args: &RelayArgs,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ExitCode> {
+    let (config, database) = args.config();
+    let pool = database.pool()?;
+    // The outbox is idem's: the handler's history is only checked for being there.
+    match Store::new(pool.clone(), "")
+        .wait_until_ready::<H>(config.patience, shutdown)
+        .await
+    {
+        Err(ReadyError::Interrupted) => return Ok(ExitCode::SUCCESS),
+        ready => ready.with_context(|| format!("relaying from {}", database.describe()))?,
+    }
+    let counters = relay::RelayCounters::default();
+    let report = relay::run(&pool, &config, &counters, shutdown).await?;
+    relay::log_report(&report);
+    println!("relayed: {} sent, {} refused", report.sent, report.refused);
+    if config.until_empty {
+        // What is left was refused and waits for its next attempt.
+        let client = pool.get().await.context("counting what is left")?;
+        let left = crate::store::outbox::unsent(&client).await?;
+        if left > 0 {
+            println!("left in the outbox: {left} not sent (see the log for why)");
+            return Ok(ExitCode::FAILURE);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs `dlq` (or `requeue`) and prints what it did; exit code 1 when
+/// something could not be replayed.
+async fn dead_letters<H: Handler>(
+    config: &dlq::DlqConfig,
+    action: &dlq::Action,
+    view: dlq::View,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ExitCode> {
+    let progress = match action {
+        dlq::Action::List => Progress::hidden(),
+        dlq::Action::Replay { .. } => Progress::new("replaying", 0),
+        dlq::Action::Discard { .. } => Progress::new("discarding", 0),
+    };
+    let report = dlq::run_showing(config, action, handler, &progress, shutdown).await;
+    progress.finish(&report);
+    let report = report?;
+    println!(
+        "{}",
+        Printed {
+            report: &report,
+            view
+        }
+    );
+    Ok(if report.succeeded() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `command` with each argument of `defaults` (by id) defaulting to its
+/// value, in every subcommand that has it; one left empty stays required.
+fn with_defaults(mut command: clap::Command, defaults: &[(&str, &String)]) -> clap::Command {
+    for (id, value) in defaults {
+        let present = command.get_arguments().any(|arg| arg.get_id() == *id);
+        if present && !value.is_empty() {
+            let value = (*value).clone();
+            command = command.mut_arg(*id, |arg| arg.default_value(value).required(false));
+        }
+    }
+    let subcommands: Vec<String> = command
+        .get_subcommands()
+        .map(|sub| sub.get_name().to_owned())
+        .collect();
+    for name in subcommands {
+        command = command.mut_subcommand(name, |sub| with_defaults(sub, defaults));
+    }
+    command
+}
+
+/// clap's explanation on one line: what is wrong, the arguments it names,
+/// its suggestion or the valid values.
+fn usage_error(error: &clap::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for raw in error.render().to_string().lines() {
+        let line = raw.trim();
+        if line.is_empty() || line.starts_with("Usage:") || line.starts_with("For more information")
+        {
+            continue;
+        }
+        let continues_a_list =
+            raw.starts_with("  ") && !line.starts_with("tip:") && !line.starts_with('[');
+        match parts.last_mut() {
+            Some(last) if continues_a_list => {
+                let glue = if last.ends_with(':') { " " } else { ", " };
+                last.push_str(glue);
+                last.push_str(line);
+            }
+            _ => parts.push(line.trim_start_matches("error: ").to_owned()),
+        }
+    }
+    parts.join("; ")
+}
+
+/// The binary, and the subcommands named in `args` (`idem dlq replay`), as
+/// far as they are known: whose help to read.
+fn asked(command: &clap::Command, args: &[OsString]) -> String {
+    let mut command = command.clone();
+    let mut path = vec![command.get_name().to_owned()];
+    for arg in args.iter().skip(1) {
+        let arg = arg.to_string_lossy();
+        let Some(sub) = command.find_subcommand(arg.as_ref()).cloned() else {
+            continue;
+        };
+        path.push(arg.into_owned());
+        command = sub;
+    }
+    path.join(" ")
+}
+
+/// The log format asked for, read from the raw arguments and environment:
+/// for the line that says the arguments do not parse.
+fn log_format_asked(args: &[OsString]) -> LogFormat {
+    let json = args
+        .windows(2)
+        .any(|pair| pair[0] == "--log-format" && pair[1] == "json")
+        || args.iter().any(|arg| arg == "--log-format=json")
+        || std::env::var(vars::LOG_FORMAT).is_ok_and(|format| format == "json");
+    if json {
+        LogFormat::Json
+    } else {
+        LogFormat::Text
+    }
+}
+
+/// The error and its causes on one line, without the repetition that comes
+/// from libraries whose messages already quote their cause.
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line.replace('\n', " ")
+}
+
+/// SIGINT or SIGTERM cancels `shutdown`; a second one exits at once.
+fn watch_signals(shutdown: CancellationToken) -> std::io::Result<()> {
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        warn!("shutdown signal received; a second one exits at once");
+        shutdown.cancel();
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        error!("second signal: exiting now; unacked deliveries will be redelivered");
+        std::process::exit(130);
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,220 @@
+//! The command line of a points binary, as idem's is built.
+
+use super::*;
+use crate::points::{self, Points};
+use crate::store::DatabaseConfig;
+use crate::worker::Mode;
+
+fn service() -> Service<Points> {
+    Service::new(Points)
+        .name("idem")
+        .topology(points::topology())
+        .consumer_group(points::CONSUMER_GROUP)
+}
+
+fn parse(args: &[&str]) -> Result<Cli<NoCommands, NoFlags>, String> {
+    service()
+        .command()
+        .try_get_matches_from(args)
+        .and_then(|matches| Cli::from_arg_matches(&matches))
+        .map_err(|e| e.to_string())
+}
+
+fn worker(args: &[&str]) -> Result<WorkerConfig, String> {
+    let cli = parse(&[&["idem", "worker"][..], args].concat())?;
+    let Command::Worker(args) = &cli.command else {
+        return Err("parsed as another command".into());
+    };
+    args.config().map_err(|e| e.to_string())
+}
+
+#[test]
+fn verify_cli() {
+    service().command().debug_assert();
+}
+
+#[test]
+fn defaults_reach_the_local_services_and_the_points_topology() -> Result<(), String> {
+    let config = worker(&[])?;
+    assert_eq!(
+        config.amqp.url.expose(),
+        "amqp://guest:guest@127.0.0.1:5672/%2f"
+    );
+    assert_eq!(
+        config.database.url.expose(),
+        "postgres://postgres@127.0.0.1:5432/postgres"
+    );
+    assert_eq!(config.consumer_group, "points-consumer-group");
+    assert_eq!(config.topology, points::topology());
+    // The library's defaults, unchanged by the CLI.
+    let library = WorkerConfig::new(
+        config.amqp.clone(),
+        DatabaseConfig::new(config.database.url.clone()),
+        points::topology(),
+        points::CONSUMER_GROUP,
+    );
+    assert_eq!(
+        (
+            config.prefetch,
+            config.batch_size,
+            config.max_in_flight,
+            config.database.pool_size
+        ),
+        (
+            library.prefetch,
+            library.batch_size,
+            library.max_in_flight,
+            library.database.pool_size
+        )
+    );
+    assert_eq!(
+        (
+            config.batch_wait,
+            config.max_attempts,
+            config.shutdown_timeout,
+            config.startup_timeout
+        ),
+        (
+            library.batch_wait,
+            library.max_attempts,
+            library.shutdown_timeout,
+            library.startup_timeout
+        )
+    );
+    assert_eq!(
+        (
+            config.database.lock_timeout,
+            config.database.statement_timeout
+        ),
+        (
+            library.database.lock_timeout,
+            library.database.statement_timeout
+        )
+    );
+    Ok(())
+}
+
+#[test]
+fn per_message_mode_takes_its_own_tuning() -> Result<(), String> {
+    let config = worker(&["--mode", "per-message"])?;
+    let tuning = Mode::PerMessage.tuning();
+    assert_eq!(
+        (config.prefetch, config.batch_size, config.max_in_flight),
+        (tuning.prefetch, tuning.batch_size, tuning.max_in_flight)
+    );
+    assert!(worker(&["--mode", "sometimes"]).is_err());
+    Ok(())
+}
+
+#[test]
+fn a_batch_larger_than_the_prefetch_is_refused() {
+    let refused = worker(&["--prefetch", "100", "--batch-size", "200"]);
+    assert!(refused.is_err_and(|e| e.contains("--batch-size (200) is above --prefetch (100)")));
+    assert!(worker(&["--prefetch", "300", "--batch-size", "200"]).is_ok());
+}
+
+/// The help states the per-mode defaults in words; they are the library's.
+#[test]
+fn the_help_states_the_defaults_of_each_mode() {
+    let command = service().command();
+    let worker = command
+        .find_subcommand("worker")
+        .cloned()
+        .unwrap_or_default();
+    let help = |flag: &str| {
+        worker
+            .get_arguments()
+            .find(|arg| arg.get_long() == Some(flag))
+            .and_then(|arg| arg.get_help().map(ToString::to_string))
+            .unwrap_or_default()
+    };
+    let (batch, per_message) = (Mode::Batch.tuning(), Mode::PerMessage.tuning());
+    assert!(
+        help("prefetch").contains(&format!(
+            "{} in batch mode, {} per message",
+            batch.prefetch, per_message.prefetch
+        )),
+        "{}",
+        help("prefetch")
+    );
+    assert!(help("batch-size").contains(&format!("[default: {}]", batch.batch_size)));
+    assert!(help("max-in-flight").contains(&format!(
+        "{} in batch mode, {} per message",
+        batch.max_in_flight, per_message.max_in_flight
+    )));
+}
+
+/// Each subcommand lists the flags it uses, and no others.
+#[test]
+fn each_subcommand_takes_only_the_flags_it_uses() {
+    let command = service().command();
+    let flags = |name: &str| -> Vec<String> {
+        command
+            .find_subcommand(name)
+            .map(|sub| {
+                sub.get_arguments()
+                    .filter_map(|arg| arg.get_long().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let migrate = flags("migrate");
+    assert!(migrate.contains(&"database-url".to_owned()));
+    assert!(!migrate.iter().any(|flag| flag.starts_with("amqp")));
+    assert!(!migrate.contains(&"queue".to_owned()));
+    let status = flags("status");
+    assert!(status.contains(&"amqp-url".to_owned()) && status.contains(&"queue".to_owned()));
+    assert!(!status.contains(&"exchange".to_owned()));
+    let worker = flags("worker");
+    for flag in [
+        "amqp-url",
+        "database-url",
+        "queue",
+        "retry-delays",
+        "consumer-group",
+    ] {
+        assert!(worker.contains(&flag.to_owned()), "worker lacks --{flag}");
+    }
+}
+
+#[test]
+fn a_consumer_group_longer_than_its_column_is_refused() {
+    let long = "g".repeat(65);
+    assert!(worker(&["--consumer-group", &long]).is_err());
+}
+
+#[test]
+fn a_service_without_an_exchange_must_be_told_one() {
+    let service = Service::new(Points);
+    let parsed = service
+        .command()
+        .try_get_matches_from(["points", "worker"])
+        .map(|_| ());
+    assert!(
+        parsed.is_err_and(|e| e.to_string().contains("--exchange")),
+        "the worker of an unbound topology needs --exchange"
+    );
+    let status = Service::new(Points)
+        .command()
+        .try_get_matches_from(["points", "status"])
+        .map(|matches| {
+            matches
+                .subcommand_matches("status")
+                .and_then(|m| m.get_one::<String>("queue").cloned())
+        });
+    assert_eq!(
+        status.ok().flatten().as_deref(),
+        Some("points"),
+        "the queue is the handler's name"
+    );
+}
+
+#[test]
+fn a_pool_too_small_for_the_transactions_in_flight_is_refused_by_flag() {
+    let refused = worker(&["--max-in-flight", "8", "--pool-size", "9"]);
+    assert!(
+        refused
+            .is_err_and(|e| e.contains("--pool-size (9) must be at least --max-in-flight (8) + 2")),
+    );
+    assert!(worker(&["--max-in-flight", "8", "--pool-size", "10"]).is_ok());
+}
