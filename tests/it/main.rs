@@ -44,4 +44,5 @@ mod retries;
 mod secrets;
 mod stock;
 mod tls;
+mod toolbox;
 mod triage;

@@ -412,6 +412,82 @@ async fn killing_the_stock_worker_mid_load_keeps_the_stock_exact(mode: Mode) -> 
     Ok(())
 }
 
+/// Runs the example's own `args` and returns what it printed, asserting it
+/// exits 0.
+async fn run_example(env: &StockEnv, args: &[&str]) -> anyhow::Result<String> {
+    let ran = env
+        .example(&database_url(), Mode::Batch)
+        .args(args)
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&ran.stdout).into_owned();
+    ensure!(
+        ran.status.success(),
+        "stock {args:?}: {stdout}{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    Ok(stdout)
+}
+
+/// The operator's commands of the example's own binary, against its dead
+/// letters: the handler's decode gives the summary's verdicts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stock_binary_triages_reports_prunes_and_replays_its_own_dead_letters()
+-> anyhow::Result<()> {
+    let env = StockEnv::new().await?;
+    env.sql("INSERT INTO stock VALUES ('SKU-A', 10)").await?;
+    let applied = Reservation::new("reservation-1", "SKU-A", 3);
+    let oversold = Reservation::new("reservation-2", "SKU-A", 11);
+    let unknown = Reservation::new("reservation-3", "SKU-Z", 1);
+    let invalid = br#"{"eventId": "reservation-4", "sku": "SKU-A", "quantity": 0}"#.to_vec();
+    env.publish(&[applied.body(), oversold.body(), unknown.body(), invalid])
+        .await?;
+    let worker = env.worker(&database_url(), Mode::Batch)?;
+    env.wait_dead_letters(3).await?;
+    worker.stop().await?;
+
+    let summary = run_example(&env, &["dlq", "summary"]).await?;
+    for expected in [
+        "3 of 3 dead-lettered message(s) in stock.reservations.dlq match",
+        "no such SKU among SKU-Z",
+        "stock_available_check",
+        "a replay would apply 2, find 0 applied already; 1 invalid or unknown",
+    ] {
+        assert!(summary.contains(expected), "no {expected:?} in:\n{summary}");
+    }
+    let status = run_example(&env, &["status"]).await?;
+    for expected in [
+        "consumer group stock-reservations",
+        "stock.reservations.dlq",
+        "consume records    1",
+        "failure ledger     2 event(s) failing",
+    ] {
+        assert!(status.contains(expected), "no {expected:?} in:\n{status}");
+    }
+    let pruned = run_example(&env, &["prune", "--older-than", "30d"]).await?;
+    assert!(
+        pruned.contains("no epoch older than the window"),
+        "{pruned}"
+    );
+
+    env.sql(
+        "UPDATE stock SET available = available + 20 WHERE sku = 'SKU-A';
+         INSERT INTO stock VALUES ('SKU-Z', 5);",
+    )
+    .await?;
+    let replayed = run_example(&env, &["requeue"]).await?;
+    assert!(replayed.contains("replayed 3 message(s)"), "{replayed}");
+    let worker = env.worker(&database_url(), Mode::Batch)?;
+    env.wait_records(3, Duration::from_secs(30)).await?;
+    env.wait_dead_letters(1).await?;
+    worker.stop().await?;
+    assert_eq!(
+        env.available().await?,
+        BTreeMap::from([("SKU-A".into(), 16), ("SKU-Z".into(), 4)])
+    );
+    Ok(())
+}
+
 in_both_modes!(
     stock_reservations_apply_once_and_an_oversold_one_is_dead_lettered_then_replayed,
     a_database_outage_holds_stock_reservations_and_dead_letters_none,
