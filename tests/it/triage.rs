@@ -493,3 +493,50 @@ async fn a_replay_the_broker_nacks_goes_again_on_a_fresh_channel_until_it_is_con
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
     Ok(())
 }
+
+/// Two dead copies of one failing event share its ledger row: a filter on
+/// its error finds both, and a discard by error leaves neither behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_dead_copies_of_one_event_both_match_its_error() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-poisoned-twice", env.name),
+        order_id: "poison-order".into(),
+        points: 1,
+    };
+    env.publish_events(&[event.clone(), event.clone()]).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 2;
+    let worker = RunningWorker::start(config);
+    wait_for("both copies dead", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == 2)
+    })
+    .await?;
+    worker.stop().await?;
+
+    let by_error = || Filter {
+        error: Some("poisoned".into()),
+        ..Filter::default()
+    };
+    let listed = run(&env, by_error(), Action::List).await?;
+    assert_eq!(
+        listed.listed.len(),
+        2,
+        "both copies carry the event's last error"
+    );
+    assert!(
+        listed.listed.iter().all(|entry| entry
+            .failures
+            .as_ref()
+            .is_some_and(|l| l.last_error.contains("poisoned"))),
+        "{:?}",
+        listed.listed
+    );
+    let file = std::env::temp_dir().join(format!("{}-discarded.jsonl", unique_name()));
+    let discarded = run(&env, by_error(), Action::Discard { file: file.clone() }).await;
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(discarded?.discarded.len(), 2);
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    Ok(())
+}
