@@ -576,16 +576,20 @@ async fn summarize(stats: Arc<Stats>, interval: Duration, shutdown: Cancellation
         }
         let now = stats.snapshot();
         let finished = now.finished() - last.finished();
+        // Counted as the final line and the metrics count them: invalid
+        // messages apart from those that spent their attempts.
         info!(
             applied = now.applied - last.applied,
             duplicates = now.duplicates - last.duplicates,
-            dead_lettered = now.dead_lettered + now.invalid - last.dead_lettered - last.invalid,
+            invalid = now.invalid - last.invalid,
+            dead_lettered = now.dead_lettered - last.dead_lettered,
             retried = now.retried - last.retried,
-            "in the last {}: applied {}, duplicates {}, dead-lettered {}, retried {} ({:.0} messages/s)",
+            "in the last {}: applied {}, duplicates {}, invalid {}, dead-lettered {}, retried {} ({:.0} messages/s)",
             crate::duration::format(interval),
             now.applied - last.applied,
             now.duplicates - last.duplicates,
-            now.dead_lettered + now.invalid - last.dead_lettered - last.invalid,
+            now.invalid - last.invalid,
+            now.dead_lettered - last.dead_lettered,
             now.retried - last.retried,
             finished as f64 / interval.as_secs_f64()
         );

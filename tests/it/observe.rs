@@ -145,6 +145,8 @@ async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let load = load(&env, 500, 0.2, 5);
+    let invalid = [b"not json".to_vec(), b"{}".to_vec(), b"[1]".to_vec()];
+    env.publish_bodies(&invalid).await?;
     env.publish_events(&load).await?;
     let worker = WorkerProcess::spawn(
         &env,
@@ -153,10 +155,31 @@ async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops
         &database_url(),
         &["--summary-interval", "1s"],
     )?;
-    wait_for("a summary line", Duration::from_secs(30), || async {
-        Ok(worker.log().contains("in the last 1s: applied"))
-    })
+    // The invalid messages are counted as such in the summaries, as in the
+    // totals and the metrics, and not as dead-lettered after their attempts.
+    let summed = |log: &str, what: &str| -> u64 {
+        log.lines()
+            .filter_map(|line| line.split("in the last 1s: ").nth(1))
+            .filter_map(|summary| {
+                summary
+                    .split(", ")
+                    .find_map(|part| part.strip_prefix(what))
+                    .and_then(|n| n.split_whitespace().next()?.parse::<u64>().ok())
+            })
+            .sum()
+    };
+    wait_for(
+        "the invalid ones in a summary",
+        Duration::from_secs(30),
+        || async { Ok(summed(&worker.log(), "invalid ") == 3) },
+    )
     .await?;
+    assert_eq!(
+        summed(&worker.log(), "dead-lettered "),
+        0,
+        "{}",
+        worker.log()
+    );
     wait_for("every event", Duration::from_secs(30), || async {
         Ok(env.records(crate::helpers::GROUP).await?
             == idem::generate::distinct_events(&load) as i64)
@@ -166,7 +189,7 @@ async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops
     let distinct = idem::generate::distinct_events(&load);
     assert!(
         log.contains(&format!(
-            "worker stopped: applied {distinct}, duplicates {}, invalid 0, retried 0, dead-lettered 0",
+            "worker stopped: applied {distinct}, duplicates {}, invalid 3, retried 0, dead-lettered 0",
             load.len() - distinct
         )),
         "{log}"
