@@ -6,8 +6,8 @@
 //! units of SKU-1 off `stock.available`, once however often it arrives. A
 //! reservation that would oversell breaks the table's `CHECK (available >=
 //! 0)`: its transaction fails, it is retried and then dead-lettered, while
-//! the others apply. A reservation for a SKU the table does not know fails
-//! the same way, by the handler's own rule.
+//! the others apply. A reservation for a SKU the table does not know can
+//! never apply, by the handler's own rule: it is dead-lettered at once.
 //!
 //! ```sh
 //! cargo run --example stock -- migrate      # idem's tables and `stock`
@@ -78,7 +78,7 @@ impl Handler for Stock {
         // of the message by idem's classification.
         if tx.execute(&reserve, &[&skus, &quantities]).await? != skus.len() as u64 {
             let skus = skus.join(", ");
-            return Err(HandlerError::message(format!("no such SKU among {skus}")));
+            return Err(HandlerError::permanent(format!("no such SKU among {skus}")));
         }
         Ok(())
     }

@@ -11,6 +11,11 @@ pub enum FailureKind {
     /// Retrying this message is unlikely to help soon (a constraint, a
     /// trigger, a value out of range): it counts against its retry budget.
     Message,
+    /// This message can never apply, by a rule of the business (an unknown
+    /// SKU, an order that was cancelled): it is dead-lettered at once, with
+    /// the reason as its last error, and spends no attempts. idem's own
+    /// classification never says it; a handler's may.
+    Permanent,
     /// The database is unreachable, restarting, overloaded, misconfigured or
     /// lost a race (serialization, deadlock): not the message's fault, so
     /// the worker holds the delivery and retries with backoff.

@@ -306,6 +306,14 @@ pub enum HandlerError {
     /// then dead-lettered once it has used up its attempts.
     #[error("{0}")]
     Message(BoxError),
+    /// This message can never apply (an unknown SKU, a rule of the
+    /// business that no retry changes): it is dead-lettered at once, its
+    /// reason recorded as the failure ledger's last error (which `dlq`
+    /// shows and filters on), without waiting through its attempts. In a
+    /// batch, only the message that says it is dead-lettered: the others
+    /// are applied one by one.
+    #[error("{0}")]
+    Permanent(BoxError),
     /// Something outside the message failed: the delivery is held and the
     /// transaction retried with backoff, spending none of its attempts, and
     /// the worker takes no new work meanwhile. Only for what a wait can fix.
@@ -317,6 +325,11 @@ impl HandlerError {
     /// This message failed, for `reason`.
     pub fn message(reason: impl Into<BoxError>) -> Self {
         Self::Message(reason.into())
+    }
+
+    /// This message can never apply, for `reason`.
+    pub fn permanent(reason: impl Into<BoxError>) -> Self {
+        Self::Permanent(reason.into())
     }
 
     /// The infrastructure failed, with `reason`.

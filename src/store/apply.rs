@@ -249,6 +249,10 @@ impl<H: Handler> Applier<H> {
                 kind: FailureKind::Message,
                 reason: error.to_string(),
             },
+            HandlerError::Permanent(error) => Failure {
+                kind: FailureKind::Permanent,
+                reason: error.to_string(),
+            },
             HandlerError::Infrastructure(error) => Failure {
                 kind: FailureKind::Infrastructure,
                 reason: error.to_string(),

@@ -257,6 +257,17 @@ impl<H: Handler> Processor<H> {
             unreachable!("every error of the ledger is retried");
         };
         self.stats.failed(1);
+        if failure.kind == FailureKind::Permanent {
+            warn!(
+                delivery.tag = item.tag(),
+                event.id = %event_id,
+                error = %failure,
+                "the handler says the message can never apply: dead-lettering it now"
+            );
+            self.stats.dead_lettered(1);
+            decided.settle(item.tag(), Disposition::DeadLetter);
+            return;
+        }
         let spent = failures >= self.max_attempts;
         let delay = self.topology.delay_after(failures);
         let outcome = if spent {

@@ -18,6 +18,8 @@ enum Flaw {
     /// `apply` ignores a failed statement and returns `Ok`: the
     /// transaction is aborted, and a commit would roll it back without a word.
     SwallowsAnError,
+    /// `apply` says the event can never apply.
+    NeverApplies,
 }
 
 /// The points effect, through the general path (no tally), with a flaw on
@@ -52,13 +54,26 @@ impl Handler for Flawed {
                 Flaw::SwallowsAnError => {
                     let _ = tx.execute("SELECT 1 / 0", &[]).await;
                 }
+                Flaw::NeverApplies => {
+                    return Err(HandlerError::permanent(format!(
+                        "{} was cancelled",
+                        self.chosen
+                    )));
+                }
             }
         }
         Ok(())
     }
 }
 
-async fn a_flawed_handler(mode: Mode, flaw: Flaw, last_error: &str) -> anyhow::Result<()> {
+/// `attempts`: how many times the chosen event is tried before it is
+/// dead-lettered.
+async fn a_flawed_handler(
+    mode: Mode,
+    flaw: Flaw,
+    last_error: &str,
+    attempts: u64,
+) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let good = load(&env, 600, 0.1, 10);
     let chosen = PaymentSucceeded {
@@ -88,7 +103,11 @@ async fn a_flawed_handler(mode: Mode, flaw: Flaw, last_error: &str) -> anyhow::R
     worker.stop().await?;
 
     assert_exact(&env, &good, &[chosen.to_body()]).await?;
-    assert_eq!((stats.retried, stats.dead_lettered), (4, 1), "{stats:?}");
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (attempts - 1, 1),
+        "{stats:?}"
+    );
     let client = env.pool.get().await?;
     let row = client
         .query_one(
@@ -97,7 +116,10 @@ async fn a_flawed_handler(mode: Mode, flaw: Flaw, last_error: &str) -> anyhow::R
         )
         .await?;
     let (failures, error): (i32, String) = (row.get(0), row.get(1));
-    assert_eq!(failures, 5, "counted as any failure of the message");
+    assert_eq!(
+        failures, attempts as i32,
+        "counted as any failure of the message"
+    );
     assert!(error.contains(last_error), "{error}");
     Ok(())
 }
@@ -105,7 +127,13 @@ async fn a_flawed_handler(mode: Mode, flaw: Flaw, last_error: &str) -> anyhow::R
 async fn a_handler_that_panics_on_one_event_fails_that_event_alone(
     mode: Mode,
 ) -> anyhow::Result<()> {
-    a_flawed_handler(mode, Flaw::Panics, "panicked: the flawed handler panics on").await
+    a_flawed_handler(
+        mode,
+        Flaw::Panics,
+        "panicked: the flawed handler panics on",
+        5,
+    )
+    .await
 }
 
 async fn a_handler_that_swallows_an_error_cannot_commit_its_events_away(
@@ -115,11 +143,19 @@ async fn a_handler_that_swallows_an_error_cannot_commit_its_events_away(
         mode,
         Flaw::SwallowsAnError,
         "current transaction is aborted",
+        5,
     )
     .await
+}
+
+async fn an_event_the_handler_says_can_never_apply_is_dead_lettered_at_its_first_attempt(
+    mode: Mode,
+) -> anyhow::Result<()> {
+    a_flawed_handler(mode, Flaw::NeverApplies, "-chosen was cancelled", 1).await
 }
 
 in_both_modes!(
     a_handler_that_panics_on_one_event_fails_that_event_alone,
     a_handler_that_swallows_an_error_cannot_commit_its_events_away,
+    an_event_the_handler_says_can_never_apply_is_dead_lettered_at_its_first_attempt,
 );
