@@ -115,9 +115,11 @@
 //! - [`worker`] — the consume loop: batches, processing, settling, shutdown.
 //! - [`cli`] — every operator command for any handler's binary, in one call
 //!   (feature `cli`).
-//! - [`commands`] — what the commands do: `dlq` (and `requeue`), `status`,
-//!   `prune`, `reconcile`; `publish`, `demo`, `bench` and `lab` for points
-//!   (feature `tools`).
+//! - [`dlq`] — the dead letters: browse, summarize by reason and error,
+//!   replay, discard (`dlq`, `requeue`, and what `status` and `prune` read).
+//! - [`commands`] — what the other commands do: `status`, `prune`,
+//!   `reconcile`; `publish`, `demo`, `bench` and `lab` for points (feature
+//!   `tools`).
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
 //! - [`duration`] — durations as flags and queue names write them.
@@ -133,6 +135,7 @@ mod caught;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod commands;
+pub mod dlq;
 pub mod duration;
 #[cfg(feature = "tools")]
 pub mod generate;

@@ -13,10 +13,10 @@ use clap::{Args, Subcommand};
 use tracing::warn;
 
 use crate::broker::{AmqpConfig, Topology};
-use crate::commands::dlq::{Action, DlqConfig, Filter, View};
 use crate::commands::prune::PruneSettings;
 use crate::commands::reconcile::ReconcileConfig;
 use crate::commands::status::StatusConfig;
+use crate::dlq::{Action, DlqConfig, Filter, View};
 use crate::duration;
 use crate::relay::RelayConfig;
 use crate::secret::SecretUrl;

@@ -50,8 +50,8 @@ use tracing::{error, warn};
 pub use args::{AmqpArgs, DatabaseArgs, Delays, RouteArgs, SettingError, Wait, WaitArgs, choice};
 
 use crate::broker::Topology;
-use crate::commands::dlq::{self, Printed};
 use crate::commands::{prune, reconcile, status};
+use crate::dlq::{self, Printed};
 use crate::handler::Handler;
 use crate::progress::Progress;
 use crate::relay;

@@ -1,11 +1,11 @@
 //! One module per subcommand that is more than a call into the library.
-//! Each takes typed settings and returns a report for `main` to print.
+//! Each takes typed settings and returns a report for `main` to print; the
+//! dead letters they read are [`crate::dlq`]'s, and none imports another.
 
 #[cfg(feature = "tools")]
 pub mod bench;
 #[cfg(feature = "tools")]
 pub mod demo;
-pub mod dlq;
 #[cfg(feature = "tools")]
 pub mod lab;
 pub mod prune;

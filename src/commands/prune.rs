@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
-use super::dlq::{self, Action, DlqConfig};
 use crate::broker;
+use crate::dlq::{self, Action, DlqConfig};
 use crate::handler::Handler;
 use crate::store::retention::{self, PruneConfig, Pruned};
 

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{Outgoing, PublishOptions, Topology, publish_all};
-use crate::commands::dlq::{self, Action, DlqConfig};
+use crate::dlq::{self, Action, DlqConfig};
 use crate::handler::{Handler, Tally};
 
 /// Invalid lines and differing totals shown in the summary.

@@ -8,8 +8,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
-use super::dlq::{self, Action, DlqConfig, Filter, printable};
 use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry, queue_counts};
+use crate::dlq::{self, Action, DlqConfig, Filter, printable};
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};

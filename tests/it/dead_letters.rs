@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::death::REPLAY_HEADER;
-use idem::commands::dlq::{self, Action, DlqConfig, Printed, Report, View};
+use idem::dlq::{self, Action, DlqConfig, Printed, Report, View};
 use idem::points::{PaymentSucceeded, Points};
 
 use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};

@@ -401,7 +401,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     worker.stop().await?;
 
     let broker = Proxy::start(amqp_address()).await?;
-    let config = idem::commands::dlq::DlqConfig {
+    let config = idem::dlq::DlqConfig {
         amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
             env.amqp_url_via(broker.port),
         )),
@@ -413,11 +413,11 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
         patience: patient(Duration::from_secs(20)),
     };
     let replaying = tokio::spawn(async move {
-        let replay_all = idem::commands::dlq::Action::Replay {
+        let replay_all = idem::dlq::Action::Replay {
             rate: None,
             include_invalid: true,
         };
-        idem::commands::dlq::run(
+        idem::dlq::run(
             &config,
             &replay_all,
             &idem::points::Points,

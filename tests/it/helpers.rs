@@ -595,13 +595,13 @@ impl TestEnv {
     }
     /// The dead-letter commands' settings for this test's queue, ledger
     /// and records, with no filter.
-    pub fn dlq_config(&self) -> idem::commands::dlq::DlqConfig {
-        idem::commands::dlq::DlqConfig {
+    pub fn dlq_config(&self) -> idem::dlq::DlqConfig {
+        idem::dlq::DlqConfig {
             amqp: self.amqp.clone(),
             database: self.database.clone(),
             consumer_group: GROUP.into(),
             dead_letter_queue: self.topology.dead_letter_queue.clone(),
-            filter: idem::commands::dlq::Filter::default(),
+            filter: idem::dlq::Filter::default(),
             limit: None,
             patience: patient(Duration::from_secs(5)),
         }

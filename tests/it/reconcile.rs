@@ -7,7 +7,7 @@ use anyhow::Context;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use idem::commands::dlq::{self, Action};
+use idem::dlq::{self, Action};
 use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 

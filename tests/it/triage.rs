@@ -10,7 +10,7 @@ use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::Outgoing;
-use idem::commands::dlq::{self, Action, DlqConfig, Filter, Report};
+use idem::dlq::{self, Action, DlqConfig, Filter, Report};
 use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
