@@ -73,12 +73,26 @@ pub trait Handler: Send + Sync + 'static {
     /// The event's deduplication key.
     fn event_id<'e>(&self, event: &'e Self::Event) -> &'e str;
 
-    /// Applies fresh events inside idem's transaction.
+    /// Applies fresh events inside idem's transaction. A handler whose
+    /// effect is a [`tally`](Handler::tally) need not write it: the default
+    /// runs the tally (as idem's claim statement does); a handler with
+    /// neither fails every message as [`HandlerError::Permanent`].
     fn apply(
         &self,
         tx: &Transaction<'_>,
         events: &[&Self::Event],
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        let tally = self.tally();
+        async move {
+            match tally {
+                Some(tally) => crate::store::apply_tally(tx, &tally, events).await,
+                None => Err(HandlerError::permanent(format!(
+                    "the handler {} implements neither apply nor tally",
+                    Self::NAME
+                ))),
+            }
+        }
+    }
 
     /// Whose fault a PostgreSQL error of the transaction is, for the errors
     /// the server reported (with a SQLSTATE); a broken connection is always
@@ -94,8 +108,8 @@ pub trait Handler: Send + Sync + 'static {
     /// An effect simple enough for idem to run inside its own claim
     /// statement, in one round trip instead of a transaction of several.
     /// When this returns `Some`, idem runs the tally and does not call
-    /// [`apply`](Handler::apply); `apply` should do the same (usually with
-    /// `idem::store::apply_tally`). `None` (the default) always calls `apply`.
+    /// [`apply`](Handler::apply), whose default runs the same tally: the
+    /// effect has one definition. `None` (the default) always calls `apply`.
     fn tally(&self) -> Option<Tally<Self::Event>> {
         None
     }

@@ -12,10 +12,7 @@ pub use event::{InvalidMessage, MAX_ORDER_ID_CHARS, PaymentSucceeded};
 use serde::Serialize;
 
 use crate::broker::Topology;
-use crate::handler::{
-    Handler, HandlerError, Invalid, Migration, OutboxMessage, Tally, Transaction,
-};
-use crate::store::apply_tally;
+use crate::handler::{Handler, Invalid, Migration, OutboxMessage, Tally};
 
 /// Exchange producers publish payment events to.
 pub const EXCHANGE: &str = "payments";
@@ -83,14 +80,6 @@ impl Handler for Points {
         &event.event_id
     }
 
-    async fn apply(
-        &self,
-        tx: &Transaction<'_>,
-        events: &[&PaymentSucceeded],
-    ) -> Result<(), HandlerError> {
-        apply_tally(tx, &POINTS, events).await
-    }
-
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
         Some(POINTS)
     }
@@ -130,14 +119,6 @@ impl Handler for Announcing {
 
     fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
         &event.event_id
-    }
-
-    async fn apply(
-        &self,
-        tx: &Transaction<'_>,
-        events: &[&PaymentSucceeded],
-    ) -> Result<(), HandlerError> {
-        Points.apply(tx, events).await
     }
 
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
