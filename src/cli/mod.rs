@@ -265,19 +265,16 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
 
     /// Subcommands of the service's own, listed after idem's.
     pub fn commands<Y: Commands<H>>(self) -> Service<H, Y, F> {
-        Service {
-            handler: self.handler,
-            name: self.name,
-            about: self.about,
-            version: self.version,
-            topology: self.topology,
-            consumer_group: self.consumer_group,
-            own: PhantomData,
-        }
+        self.with_own()
     }
 
     /// Flags of the service's own for `worker`.
     pub fn worker_flags<G: WorkerFlags<H>>(self) -> Service<H, X, G> {
+        self.with_own()
+    }
+
+    /// The same service with other commands and flags of its own.
+    fn with_own<Y, G>(self) -> Service<H, Y, G> {
         Service {
             handler: self.handler,
             name: self.name,
