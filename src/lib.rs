@@ -129,6 +129,9 @@
 //! - [`tls`] — CA files and TLS handshake failures, for both connections.
 //! - [`telemetry`] — logging.
 
+// The crate docs link to the modules of the default features.
+#![cfg_attr(not(feature = "tools"), allow(rustdoc::broken_intra_doc_links))]
+
 pub mod backoff;
 pub mod broker;
 mod caught;
