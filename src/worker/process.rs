@@ -15,7 +15,7 @@ use std::time::Duration;
 use backon::Retryable;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, DeliveryTag};
-use tracing::{debug, error, info, warn};
+use tracing::{debug, info, warn};
 
 use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
@@ -244,33 +244,17 @@ impl<H: Handler> Processor<H> {
     /// attempts. A failure that cannot be counted has not been: the delivery
     /// is held, as in an outage, until the ledger takes it; returning it
     /// uncounted would let the broker's delivery limit dead-letter a message
-    /// idem never gave up on. A ledger that refuses it for a reason no wait
-    /// fixes (not the infrastructure's) dead-letters it, with a log line.
+    /// idem never gave up on.
     async fn failed(&self, item: Item<H::Event>, failure: &Failure, decided: &mut Decided) {
         let event_id = self.event_id(&item);
         let counted = self
             .until_database_answers(
                 || self.store().record_failure(event_id, &failure.reason),
-                |error| error.kind() == FailureKind::Infrastructure,
+                |_| true,
             )
             .await;
-        let failures = match counted {
-            Ok(failures) => failures,
-            // idem's own statement refused for a reason no wait fixes (a
-            // value its column cannot hold, a trigger of the operator's):
-            // held, it would be held for ever, as if the database were down.
-            Err(error) => {
-                error!(
-                    delivery.tag = item.tag(),
-                    event.id = %event_id,
-                    error = %failure,
-                    ledger.error = %error,
-                    "the failure ledger cannot count this failure, and no retry would: dead-lettering the message"
-                );
-                self.stats.dead_lettered(1);
-                decided.settle(item.tag(), Disposition::DeadLetter);
-                return;
-            }
+        let Ok(failures) = counted else {
+            unreachable!("every error of the ledger is retried");
         };
         self.stats.failed(1);
         if failure.kind == FailureKind::Permanent {

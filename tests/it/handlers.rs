@@ -159,39 +159,3 @@ in_both_modes!(
     a_handler_that_swallows_an_error_cannot_commit_its_events_away,
     an_event_the_handler_says_can_never_apply_is_dead_lettered_at_its_first_attempt,
 );
-
-/// A failure the ledger refuses for a reason no wait fixes (here a trigger
-/// of the operator's) dead-letters its message with a log line, instead of
-/// holding every delivery for ever as if the database were down.
-async fn a_failure_the_ledger_cannot_count_dead_letters_its_message_and_the_rest_apply(
-    mode: Mode,
-) -> anyhow::Result<()> {
-    let env = TestEnv::new().await?;
-    env.poison_order("poison-order").await?;
-    env.sql(
-        "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION 'the ledger takes no rows today'; END $$;
-         CREATE TRIGGER refuse BEFORE INSERT OR UPDATE ON mq_failure_ledger
-             FOR EACH ROW EXECUTE FUNCTION refuse();",
-    )
-    .await?;
-    let good = load(&env, 200, 0.1, 5);
-    let poisoned = PaymentSucceeded {
-        event_id: format!("{}-poisoned", env.name),
-        order_id: "poison-order".into(),
-        points: 1,
-    };
-    let mut messages = good.clone();
-    messages.insert(100, poisoned.clone());
-    env.publish_events(&messages).await?;
-    let worker = RunningWorker::start(env.worker_config(mode));
-    worker
-        .wait_finished(messages.len() as u64, Duration::from_secs(60))
-        .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
-    assert_eq!((stats.retried, stats.dead_lettered), (0, 1), "{stats:?}");
-    assert_exact(&env, &good, &[poisoned.to_body()]).await
-}
-
-in_both_modes!(a_failure_the_ledger_cannot_count_dead_letters_its_message_and_the_rest_apply);
