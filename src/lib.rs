@@ -15,7 +15,7 @@
 //!
 //! ```no_run
 //! use idem::broker::{AmqpConfig, Topology};
-//! use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+//! use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 //! use idem::secret::SecretUrl;
 //! use idem::store::{DatabaseConfig, migrate};
 //! use idem::worker::{Worker, WorkerConfig};
@@ -58,6 +58,7 @@
 //!         &self,
 //!         tx: &Transaction<'_>,
 //!         events: &[&SignedUp],
+//!         _: &mut Outbox<'_>,
 //!     ) -> Result<(), HandlerError> {
 //!         let emails: Vec<&str> = events.iter().map(|event| event.email.as_str()).collect();
 //!         let queue = tx

@@ -17,7 +17,7 @@
 use std::process::ExitCode;
 
 use idem::broker::Topology;
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 use idem::points::{CREDITED_ROUTING_KEY, PointsCredited};
 
 /// Queues a notification per credit.
@@ -57,6 +57,7 @@ impl Handler for Notifications {
         &self,
         tx: &Transaction<'_>,
         credits: &[&PointsCredited],
+        _: &mut Outbox<'_>,
     ) -> Result<(), HandlerError> {
         let sources: Vec<&str> = credits.iter().map(|c| c.source_event_id.as_str()).collect();
         let orders: Vec<&str> = credits.iter().map(|c| c.order_id.as_str()).collect();

@@ -16,11 +16,10 @@
 //! cargo run --example stock -- --help
 //! ```
 
-use std::collections::BTreeMap;
 use std::process::ExitCode;
 
 use idem::broker::Topology;
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 
 /// A reservation of `quantity` units of `sku`.
 #[derive(Debug, serde::Deserialize)]
@@ -67,8 +66,9 @@ impl Handler for Stock {
         &self,
         tx: &Transaction<'_>,
         batch: &[&Reservation],
+        _: &mut Outbox<'_>,
     ) -> Result<(), HandlerError> {
-        let mut wanted: BTreeMap<&str, i64> = BTreeMap::new();
+        let mut wanted = std::collections::BTreeMap::<&str, i64>::new();
         for reservation in batch {
             *wanted.entry(&reservation.sku).or_default() += reservation.quantity;
         }

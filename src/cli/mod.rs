@@ -2,14 +2,14 @@
 //! `main` is its handler and one call.
 //!
 //! ```no_run
-//! # use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+//! # use idem::handler::{Handler, HandlerError, Invalid, Outbox, Transaction};
 //! # struct Stock;
 //! # impl Handler for Stock {
 //! #     type Event = String;
 //! #     const NAME: &'static str = "stock";
 //! #     fn decode(&self, body: &[u8]) -> Result<String, Invalid> { Ok(String::from_utf8(body.to_vec())?) }
 //! #     fn event_id<'e>(&self, event: &'e String) -> &'e str { event }
-//! #     async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> { Ok(()) }
+//! #     async fn apply(&self, _: &Transaction<'_>, _: &[&String], _: &mut Outbox<'_>) -> Result<(), HandlerError> { Ok(()) }
 //! # }
 //! use idem::broker::Topology;
 //!

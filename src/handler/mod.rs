@@ -8,6 +8,7 @@
 //! effect knows no consume record.
 
 mod failure;
+mod outbox;
 
 use std::fmt;
 use std::future::Future;
@@ -15,6 +16,7 @@ use std::future::Future;
 pub use deadpool_postgres::Transaction;
 
 pub use failure::{FailureKind, classify, classify_sqlstate};
+pub use outbox::{Outbox, OutboxMessage, message_id};
 
 /// Longest deduplication key, in characters: `mq_consume_record.event_id`.
 pub const MAX_EVENT_ID_CHARS: usize = 128;
@@ -77,11 +79,18 @@ pub trait Handler: Send + Sync + 'static {
     /// effect is a [`tally`](Handler::tally) need not write it: the default
     /// runs the tally (as idem's claim statement does); a handler with
     /// neither fails every message as [`HandlerError::Permanent`].
+    ///
+    /// Messages whose content depends on what `apply` found (a rejection
+    /// instead of a confirmation, the stock left) go to
+    /// [`outbox.send`](Outbox::send), which writes them in this transaction
+    /// beside what [`outgoing`](Handler::outgoing) returned.
     fn apply(
         &self,
         tx: &Transaction<'_>,
         events: &[&Self::Event],
+        outbox: &mut Outbox<'_>,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        let _ = outbox;
         let tally = self.tally();
         async move {
             match tally {
@@ -114,8 +123,9 @@ pub trait Handler: Send + Sync + 'static {
         None
     }
 
-    /// Whether [`outgoing`](Handler::outgoing) may return messages: a
-    /// worker then runs a relay beside its consumer, which publishes them.
+    /// Whether [`outgoing`](Handler::outgoing) may return messages, or
+    /// [`apply`](Handler::apply) send them: a worker then runs a relay beside
+    /// its consumer, which publishes them.
     const SENDS_MESSAGES: bool = false;
 
     /// Messages that applying `event` sends on (a notification, a command to
@@ -127,7 +137,8 @@ pub trait Handler: Send + Sync + 'static {
     /// the message's place in this list ([`message_id`]), as the AMQP
     /// `message_id` and an `Idempotency-Key` header. Set
     /// [`SENDS_MESSAGES`](Handler::SENDS_MESSAGES) when this can return any.
-    /// The default sends nothing.
+    /// The default sends nothing. It sees only the event: what depends on
+    /// the database, `apply` sends through its [`Outbox`].
     fn outgoing(&self, event: &Self::Event) -> Vec<OutboxMessage> {
         let _ = event;
         Vec::new()
@@ -155,8 +166,9 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         &self,
         tx: &Transaction<'_>,
         events: &[&Self::Event],
+        outbox: &mut Outbox<'_>,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
-        (**self).apply(tx, events)
+        (**self).apply(tx, events, outbox)
     }
 
     fn classify(&self, error: &tokio_postgres::Error) -> FailureKind {
@@ -171,55 +183,6 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
         (**self).outgoing(event)
     }
 }
-
-/// A message for the outbox: where it goes and what it says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxMessage {
-    /// The exchange it is published to.
-    pub exchange: String,
-    /// Its routing key.
-    pub routing_key: String,
-    /// Its `content_type` property, if any.
-    pub content_type: Option<String>,
-    /// Headers of its own (idem adds `Idempotency-Key`).
-    pub headers: std::collections::BTreeMap<String, String>,
-    /// Its body.
-    pub body: Vec<u8>,
-}
-
-impl OutboxMessage {
-    /// A JSON body for `exchange` and `routing_key`.
-    pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
-        Self {
-            exchange: exchange.to_owned(),
-            routing_key: routing_key.to_owned(),
-            content_type: Some("application/json".to_owned()),
-            headers: std::collections::BTreeMap::new(),
-            body,
-        }
-    }
-
-    /// The same message with header `name` set to `value`.
-    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.headers.insert(name.into(), value.into());
-        self
-    }
-}
-
-/// The idempotency key of the `index`-th message that the event `event_id`
-/// sends in `consumer_group`: a name-based UUID (version 5), the same
-/// however often the event arrives, different for every group, event and
-/// index.
-pub fn message_id(consumer_group: &str, event_id: &str, index: usize) -> uuid::Uuid {
-    // Neither a group nor an event id holds a control character: the
-    // newlines keep ("a", "b\nc") and ("a\nb", "c") apart.
-    let name = format!("{consumer_group}\n{event_id}\n{index}");
-    uuid::Uuid::new_v5(&OUTBOX_NAMESPACE, name.as_bytes())
-}
-
-/// The namespace of [`message_id`]'s UUIDs: idem's own, fixed forever.
-const OUTBOX_NAMESPACE: uuid::Uuid =
-    uuid::Uuid::from_u128(0x6f1c_2e0a_9b57_4d3e_8a41_5c7e_b2d9_0f13);
 
 /// An effect that adds an amount to a counter row per event, creating the
 /// row at that amount when it is missing: `INSERT … ON CONFLICT (key) DO

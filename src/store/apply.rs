@@ -8,7 +8,7 @@ use std::sync::Arc;
 use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
-use crate::handler::{FailureKind, Handler, HandlerError, Tally, Transaction};
+use crate::handler::{FailureKind, Handler, HandlerError, Outbox, Tally, Transaction};
 
 /// Why a transaction did not commit, and whose fault that is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -181,7 +181,7 @@ impl<H: Handler> Applier<H> {
             let (keys, amounts) = tally.entries(&distinct);
             // Only the rows of events that go in are written: the statement
             // joins them to its claim.
-            let sent = Rows::of(handler, group, &distinct);
+            let sent = Rows::of(group, outbox_of(handler, &ids, &distinct));
             let mut params = claim_params.to_vec();
             params.push(&keys);
             params.push(&amounts);
@@ -210,11 +210,13 @@ impl<H: Handler> Applier<H> {
             .filter(|event| claimed.is_in(handler.event_id(event)))
             .collect();
         if !fresh.is_empty() {
+            let fresh_ids: Vec<&str> = fresh.iter().map(|event| handler.event_id(event)).collect();
+            let mut outbox = outbox_of(handler, &fresh_ids, &fresh);
             handler
-                .apply(&tx, &fresh)
+                .apply(&tx, &fresh, &mut outbox)
                 .await
                 .map_err(|error| self.handler_failure(error))?;
-            let sent = Rows::of(handler, group, &fresh);
+            let sent = Rows::of(group, outbox);
             if let Some(send) = self.send.as_ref().filter(|_| !sent.is_empty()) {
                 let statement = tx.prepare_cached(send).await.map_err(database)?;
                 tx.execute(&statement, &sent.params())
@@ -273,6 +275,14 @@ pub async fn apply_tally<E: Sync>(
     let statement = tx.prepare_cached(&claim::tally_statement(tally)).await?;
     tx.execute(&statement, &[&keys, &amounts]).await?;
     Ok(())
+}
+
+/// The outbox of `events` (sorted, distinct; `ids` theirs), seeded with what
+/// the handler's [`Handler::outgoing`] returns for each.
+fn outbox_of<'e, H: Handler>(handler: &H, ids: &[&'e str], events: &[&H::Event]) -> Outbox<'e> {
+    Outbox::new(H::SENDS_MESSAGES, ids.to_vec(), |place| {
+        handler.outgoing(events[place])
+    })
 }
 
 /// The claim's answer: which of `ids` went in.

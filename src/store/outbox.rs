@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
 
-use crate::handler::{Handler, message_id};
+use crate::handler::{Outbox, message_id};
 
 /// The outbox rows of some events, column by column (what `unnest` takes):
 /// `$1` the event ids they belong to, then message ids, exchanges, routing
@@ -22,26 +22,20 @@ pub(super) struct Rows {
 }
 
 impl Rows {
-    /// The messages `handler` sends for each of `events`, in `group`.
-    pub(super) fn of<H: Handler>(handler: &H, group: &str, events: &[&H::Event]) -> Self {
+    /// The rows of `outbox`'s messages, keyed in `group`.
+    pub(super) fn of(group: &str, outbox: Outbox<'_>) -> Self {
         let mut rows = Self::default();
-        if !H::SENDS_MESSAGES {
-            return rows;
-        }
-        for event in events {
-            let event_id = handler.event_id(event);
-            for (index, message) in handler.outgoing(event).into_iter().enumerate() {
-                rows.event_ids.push(event_id.to_owned());
-                rows.message_ids
-                    .push(message_id(group, event_id, index).to_string());
-                rows.exchanges.push(message.exchange);
-                rows.routing_keys.push(message.routing_key);
-                rows.content_types.push(message.content_type);
-                // A map of strings always serializes.
-                rows.headers
-                    .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
-                rows.bodies.push(message.body);
-            }
+        for (event_id, index, message) in outbox.into_messages() {
+            rows.event_ids.push(event_id.to_owned());
+            rows.message_ids
+                .push(message_id(group, event_id, index).to_string());
+            rows.exchanges.push(message.exchange);
+            rows.routing_keys.push(message.routing_key);
+            rows.content_types.push(message.content_type);
+            // A map of strings always serializes.
+            rows.headers
+                .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
+            rows.bodies.push(message.body);
         }
         rows
     }

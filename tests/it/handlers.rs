@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Outbox, Transaction};
 use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
@@ -46,8 +46,9 @@ impl Handler for Flawed {
         &self,
         tx: &Transaction<'_>,
         events: &[&PaymentSucceeded],
+        outbox: &mut Outbox<'_>,
     ) -> Result<(), HandlerError> {
-        Points.apply(tx, events).await?;
+        Points.apply(tx, events, outbox).await?;
         if events.iter().any(|event| event.event_id == self.chosen) {
             match self.flaw {
                 Flaw::Panics => panic!("the flawed handler panics on {}", self.chosen),

@@ -1379,8 +1379,9 @@ impl<H: idem::handler::Handler> idem::handler::Handler for Untallied<H> {
         &self,
         tx: &idem::handler::Transaction<'_>,
         events: &[&H::Event],
+        outbox: &mut idem::handler::Outbox<'_>,
     ) -> Result<(), idem::handler::HandlerError> {
-        self.0.apply(tx, events).await
+        self.0.apply(tx, events, outbox).await
     }
 
     fn classify(&self, error: &tokio_postgres::Error) -> idem::handler::FailureKind {

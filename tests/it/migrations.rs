@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 use idem::points::{PaymentSucceeded, Points};
 use idem::store::migrate::{self, MIGRATIONS, MigrateError};
 use idem::store::{DatabaseConfig, ReadyError, Store};
@@ -339,7 +339,12 @@ impl<const N: usize> Handler for Notes<N> {
         event
     }
 
-    async fn apply(&self, _: &Transaction<'_>, _: &[&String]) -> Result<(), HandlerError> {
+    async fn apply(
+        &self,
+        _: &Transaction<'_>,
+        _: &[&String],
+        _: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
         Ok(())
     }
 }

@@ -8,7 +8,10 @@ use std::time::Duration;
 use anyhow::Context;
 use lapin::types::AMQPValue;
 
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Tally, Transaction, message_id};
+use idem::handler::{
+    Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Tally, Transaction,
+    message_id,
+};
 use idem::points::{Announcing, CREDITED_ROUTING_KEY, PaymentSucceeded, Points, PointsCredited};
 use idem::relay::IDEMPOTENCY_KEY;
 use idem::worker::Mode;
@@ -277,8 +280,9 @@ impl Handler for AlsoNowhere {
         &self,
         tx: &Transaction<'_>,
         events: &[&PaymentSucceeded],
+        outbox: &mut Outbox<'_>,
     ) -> Result<(), HandlerError> {
-        self.announcing.apply(tx, events).await
+        self.announcing.apply(tx, events, outbox).await
     }
 
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
@@ -575,5 +579,154 @@ async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyho
     let received = by_source(&env.peek(&queue).await?)?;
     let keys: BTreeSet<&String> = received.keys().collect();
     assert_eq!(keys, want.keys().collect::<BTreeSet<_>>());
+    Ok(())
+}
+
+/// Credits each event's points and sends on what it found: the order's
+/// total, as `points.gold` from `gold` points on and as `points.standing`
+/// below; a message depends on the effect, not on the event alone.
+struct Standing {
+    gold: i64,
+}
+
+impl Handler for Standing {
+    type Event = PaymentSucceeded;
+    const NAME: &'static str = Points::NAME;
+    const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
+    const SENDS_MESSAGES: bool = true;
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        &event.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&PaymentSucceeded],
+        outbox: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
+        for event in events {
+            let total: i64 = tx
+                .query_one(
+                    "INSERT INTO user_points (order_id, points) VALUES ($1, $2) \
+                     ON CONFLICT (order_id) DO UPDATE \
+                     SET points = user_points.points + EXCLUDED.points \
+                     RETURNING points",
+                    &[&event.order_id, &event.points],
+                )
+                .await?
+                .get(0);
+            let standing = if total >= self.gold {
+                "gold"
+            } else {
+                "standing"
+            };
+            let body = serde_json::json!({ "order_id": event.order_id, "total": total });
+            outbox.send(
+                &event.event_id,
+                OutboxMessage::json("x", &format!("points.{standing}"), body.to_string().into()),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What the outbox holds, by key: routing key and body.
+async fn sent_by_key(env: &TestEnv) -> anyhow::Result<BTreeMap<String, (String, String)>> {
+    let client = env.pool.get().await?;
+    let rows = client
+        .query(
+            "SELECT message_id::text, routing_key, convert_from(body, 'UTF8') FROM mq_outbox",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_apply_sends_depends_on_what_it_found_and_is_sent_once_under_the_event_s_key()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let store = idem::store::Store::new(env.pool.clone(), GROUP.to_owned());
+    let applier = idem::store::Applier::new(store, Arc::new(Standing { gold: 12 }))?;
+    let event = |id: &str, points: i64| PaymentSucceeded {
+        event_id: format!("{}-{id}", env.name),
+        order_id: format!("{}-order", env.name),
+        points,
+    };
+    let (a, b, c) = (event("a", 5), event("b", 10), event("c", i64::MAX));
+    applier.apply(&[&a, &a, &b]).await?;
+    let key = |event: &PaymentSucceeded| message_id(GROUP, &event.event_id, 0).to_string();
+    let order = &a.order_id;
+    let want = BTreeMap::from([
+        (
+            key(&a),
+            (
+                "points.standing".to_owned(),
+                format!(r#"{{"order_id":"{order}","total":5}}"#),
+            ),
+        ),
+        (
+            key(&b),
+            (
+                "points.gold".to_owned(),
+                format!(r#"{{"order_id":"{order}","total":15}}"#),
+            ),
+        ),
+    ]);
+    assert_eq!(sent_by_key(&env).await?, want);
+    // Duplicates apply nothing and send nothing again.
+    applier.apply(&[&b, &a]).await?;
+    assert_eq!(sent_by_key(&env).await?, want);
+    // The total overflows after `apply` sent for `a2`: the whole
+    // transaction rolls back, its message with it.
+    let a2 = event("a2", 1);
+    let failed = applier.apply(&[&a2, &c]).await;
+    assert!(
+        matches!(&failed, Err(failure) if failure.kind != idem::handler::FailureKind::Permanent),
+        "{failed:?}"
+    );
+    assert_eq!(sent_by_key(&env).await?, want);
+    assert_eq!(env.records(GROUP).await?, 2);
+
+    // A handler that sends without declaring it: no relay would publish the
+    // message, so the event can never apply.
+    struct Undeclared;
+    impl Handler for Undeclared {
+        type Event = PaymentSucceeded;
+        const NAME: &'static str = Points::NAME;
+        const MIGRATIONS: &'static [Migration] = Points::MIGRATIONS;
+        fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, Invalid> {
+            Points.decode(body)
+        }
+        fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+            &event.event_id
+        }
+        async fn apply(
+            &self,
+            tx: &Transaction<'_>,
+            events: &[&PaymentSucceeded],
+            outbox: &mut Outbox<'_>,
+        ) -> Result<(), HandlerError> {
+            Standing { gold: 0 }.apply(tx, events, outbox).await
+        }
+    }
+    let store = idem::store::Store::new(env.pool.clone(), GROUP.to_owned());
+    let undeclared = idem::store::Applier::new(store, Arc::new(Undeclared))?;
+    let refused = undeclared.apply(&[&a2]).await;
+    assert!(
+        matches!(&refused, Err(failure) if failure.kind == idem::handler::FailureKind::Permanent
+            && failure.reason.contains("SENDS_MESSAGES")),
+        "{refused:?}"
+    );
+    assert_eq!(sent_by_key(&env).await?, want);
+    assert_eq!(env.records(GROUP).await?, 2);
     Ok(())
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::broker::Topology;
-use idem::handler::{Handler, HandlerError, Invalid, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Outbox, Transaction};
 use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
@@ -39,6 +39,7 @@ impl Handler for Arrivals {
         &self,
         tx: &Transaction<'_>,
         events: &[&PaymentSucceeded],
+        outbox: &mut Outbox<'_>,
     ) -> Result<(), HandlerError> {
         self.attempts
             .lock()
@@ -56,7 +57,7 @@ impl Handler for Arrivals {
         if missing > 0 {
             return Err(HandlerError::message("its order has not arrived yet"));
         }
-        Points.apply(tx, events).await
+        Points.apply(tx, events, outbox).await
     }
 }
 

@@ -48,7 +48,7 @@ async fn a_worker_with_a_consumer_group_longer_than_its_column_is_refused_at_sta
 
 /// What a handler of a team's own looks like, in a crate outside idem.
 const OUTSIDE_MAIN: &str = r#"
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Transaction};
+use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 
 struct Inventory;
 
@@ -69,7 +69,12 @@ impl Handler for Inventory {
         event
     }
 
-    async fn apply(&self, tx: &Transaction<'_>, events: &[&String]) -> Result<(), HandlerError> {
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&String],
+        _: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
         let ids: Vec<&str> = events.iter().map(|event| event.as_str()).collect();
         tx.execute("INSERT INTO reserved SELECT unnest($1::text[])", &[&ids]).await?;
         Ok(())

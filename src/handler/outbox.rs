@@ -1,0 +1,218 @@
+//! What a handler sends on: messages for the outbox, their idempotency
+//! keys, and the collector [`Handler::apply`](super::Handler::apply) writes
+//! to.
+
+use std::collections::BTreeMap;
+
+use super::HandlerError;
+
+/// A message for the outbox: where it goes and what it says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    /// The exchange it is published to.
+    pub exchange: String,
+    /// Its routing key.
+    pub routing_key: String,
+    /// Its `content_type` property, if any.
+    pub content_type: Option<String>,
+    /// Headers of its own (idem adds `Idempotency-Key`).
+    pub headers: BTreeMap<String, String>,
+    /// Its body.
+    pub body: Vec<u8>,
+}
+
+impl OutboxMessage {
+    /// A JSON body for `exchange` and `routing_key`.
+    pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
+        Self {
+            exchange: exchange.to_owned(),
+            routing_key: routing_key.to_owned(),
+            content_type: Some("application/json".to_owned()),
+            headers: BTreeMap::new(),
+            body,
+        }
+    }
+
+    /// The same message with header `name` set to `value`.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+}
+
+/// The idempotency key of the `index`-th message that the event `event_id`
+/// sends in `consumer_group`: a name-based UUID (version 5), the same
+/// however often the event arrives, different for every group, event and
+/// index.
+pub fn message_id(consumer_group: &str, event_id: &str, index: usize) -> uuid::Uuid {
+    // Neither a group nor an event id holds a control character: the
+    // newlines keep ("a", "b\nc") and ("a\nb", "c") apart.
+    let name = format!("{consumer_group}\n{event_id}\n{index}");
+    uuid::Uuid::new_v5(&OUTBOX_NAMESPACE, name.as_bytes())
+}
+
+/// The namespace of [`message_id`]'s UUIDs: idem's own, fixed forever.
+const OUTBOX_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x6f1c_2e0a_9b57_4d3e_8a41_5c7e_b2d9_0f13);
+
+/// The messages that the events of one transaction send on, which idem
+/// writes to the outbox in that transaction: they exist if and only if the
+/// effect commits.
+///
+/// It starts with what [`Handler::outgoing`](super::Handler::outgoing)
+/// returns for each event; [`Handler::apply`](super::Handler::apply) adds
+/// what depends on what it found with [`send`](Outbox::send). An event's
+/// messages keep their order: `outgoing`'s first (indices 0, 1, …, as
+/// always), then `apply`'s in the order it sent them. Each is keyed by
+/// [`message_id`] from the consumer group, the event's id and that index, so
+/// an `apply` that decides the same way on every attempt sends the same keys.
+#[derive(Debug)]
+pub struct Outbox<'e> {
+    /// Whether the handler declared that it sends messages.
+    open: bool,
+    /// The transaction's fresh events, sorted, and how many messages each
+    /// has so far.
+    events: Vec<(&'e str, usize)>,
+    /// Per message: its event's place in `events`, its index, the message.
+    messages: Vec<(usize, usize, OutboxMessage)>,
+}
+
+impl<'e> Outbox<'e> {
+    /// An outbox for the events `ids` (sorted, distinct), holding the
+    /// messages `outgoing` gives each; closed (every send refused) unless
+    /// `open`.
+    pub(crate) fn new(
+        open: bool,
+        ids: Vec<&'e str>,
+        mut outgoing: impl FnMut(usize) -> Vec<OutboxMessage>,
+    ) -> Self {
+        let mut outbox = Self {
+            open,
+            events: ids.into_iter().map(|id| (id, 0)).collect(),
+            messages: Vec::new(),
+        };
+        if open {
+            for place in 0..outbox.events.len() {
+                for message in outgoing(place) {
+                    outbox.push(place, message);
+                }
+            }
+        }
+        outbox
+    }
+
+    /// Sends `message` on for the event `event_id`, one of the events
+    /// `apply` was given. Refused, as a failure no retry fixes, when the
+    /// handler does not declare [`SENDS_MESSAGES`](super::Handler::SENDS_MESSAGES)
+    /// (no relay would publish it) or when `event_id` is not one of them
+    /// (its key would belong to no consume record).
+    pub fn send(&mut self, event_id: &str, message: OutboxMessage) -> Result<(), HandlerError> {
+        if !self.open {
+            return Err(HandlerError::permanent(
+                "the handler sent a message but does not declare SENDS_MESSAGES: \
+                 no relay would publish it",
+            ));
+        }
+        let place = self
+            .events
+            .binary_search_by(|(id, _)| (*id).cmp(event_id))
+            .map_err(|_| {
+                HandlerError::permanent(format!(
+                    "the handler sent a message for the event {event_id:?}, \
+                     which is not one of the events it was given"
+                ))
+            })?;
+        self.push(place, message);
+        Ok(())
+    }
+
+    /// How many messages the event `event_id` sends so far.
+    pub fn count(&self, event_id: &str) -> usize {
+        self.events
+            .binary_search_by(|(id, _)| (*id).cmp(event_id))
+            .map_or(0, |place| self.events[place].1)
+    }
+
+    /// Whether no message is to be sent.
+    pub fn is_empty(&self) -> bool {
+        self.messages.is_empty()
+    }
+
+    fn push(&mut self, place: usize, message: OutboxMessage) {
+        let count = &mut self.events[place].1;
+        let index = *count;
+        *count += 1;
+        self.messages.push((place, index, message));
+    }
+
+    /// The messages, event by event in the events' order, each event's in
+    /// index order: its id, the index, the message.
+    pub(crate) fn into_messages(mut self) -> impl Iterator<Item = (&'e str, usize, OutboxMessage)> {
+        // Stable, and within an event the indices were handed out in order.
+        self.messages.sort_by_key(|(place, _, _)| *place);
+        let events = self.events;
+        self.messages
+            .into_iter()
+            .map(move |(place, index, message)| (events[place].0, index, message))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(body: &str) -> OutboxMessage {
+        OutboxMessage::json("x", "k", body.as_bytes().to_vec())
+    }
+
+    fn sent(outbox: Outbox<'_>) -> Vec<(String, usize, String)> {
+        outbox
+            .into_messages()
+            .map(|(id, index, message)| {
+                let body = String::from_utf8(message.body).unwrap_or_default();
+                (id.to_owned(), index, body)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn apply_s_messages_follow_outgoing_s_event_by_event() -> Result<(), HandlerError> {
+        let mut outbox = Outbox::new(true, vec!["a", "b"], |place| {
+            vec![message(["a0", "b0"][place])]
+        });
+        outbox.send("b", message("b1"))?;
+        outbox.send("a", message("a1"))?;
+        outbox.send("b", message("b2"))?;
+        assert_eq!(outbox.count("b"), 3);
+        let expected = [
+            ("a", 0, "a0"),
+            ("a", 1, "a1"),
+            ("b", 0, "b0"),
+            ("b", 1, "b1"),
+        ]
+        .into_iter()
+        .chain([("b", 2, "b2")])
+        .map(|(id, index, body)| (id.to_owned(), index, body.to_owned()))
+        .collect::<Vec<_>>();
+        assert_eq!(sent(outbox), expected);
+        Ok(())
+    }
+
+    #[test]
+    fn a_send_for_another_event_or_from_a_handler_that_sends_nothing_is_permanent() {
+        let mut outbox = Outbox::new(true, vec!["a"], |_| Vec::new());
+        let stranger = outbox.send("z", message("z0"));
+        assert!(
+            matches!(stranger, Err(HandlerError::Permanent(_))),
+            "{stranger:?}"
+        );
+        let mut closed = Outbox::new(false, vec!["a"], |_| vec![message("never asked")]);
+        assert!(closed.is_empty(), "a closed outbox does not ask outgoing");
+        let refused = closed.send("a", message("a0"));
+        assert!(
+            matches!(&refused, Err(HandlerError::Permanent(reason)) if reason.to_string().contains("SENDS_MESSAGES")),
+            "{refused:?}"
+        );
+        assert!(closed.is_empty());
+    }
+}
