@@ -247,6 +247,31 @@ impl<H: Handler> Processor<H> {
     /// idem never gave up on.
     async fn failed(&self, item: Item<H::Event>, failure: &Failure, decided: &mut Decided) {
         let event_id = self.event_id(&item);
+        // The budget is the event's: a copy that arrives after it was spent
+        // (published twice, or replayed from elsewhere) spends nothing more.
+        // Asked here, on the failure path, so that no batch pays for it.
+        let ids = [event_id];
+        let spent_before = self
+            .until_database_answers(
+                || self.store().exhausted(&ids, self.max_attempts),
+                |error| error.kind() == FailureKind::Infrastructure,
+            )
+            .await
+            .is_ok_and(|exhausted| !exhausted.is_empty());
+        if spent_before {
+            warn!(
+                delivery.tag = item.tag(),
+                event.id = %event_id,
+                max_attempts = self.max_attempts,
+                error = %failure,
+                "transaction failed and the event was out of attempts before this copy arrived: \
+                 dead-lettering it"
+            );
+            self.stats.failed(1);
+            self.stats.dead_lettered(1);
+            decided.settle(item.tag(), Disposition::DeadLetter);
+            return;
+        }
         let counted = self
             .until_database_answers(
                 || self.store().record_failure(event_id, &failure.reason),

@@ -160,3 +160,55 @@ in_both_modes!(
     a_handler_that_swallows_an_error_cannot_commit_its_events_away,
     an_event_the_handler_says_can_never_apply_is_dead_lettered_at_its_first_attempt,
 );
+
+/// The budget is the event's, not the copy's: a copy published after the
+/// event's attempts were spent is dead-lettered without spending another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_arrives_after_its_event_ran_out_of_attempts_spends_no_more()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let chosen = PaymentSucceeded {
+        event_id: format!("{}-chosen", env.name),
+        order_id: "chosen-order".into(),
+        points: 1,
+    };
+    let config = env.worker_config(Mode::Batch);
+    let attempts = u64::from(config.max_attempts);
+    let handler = Flawed {
+        chosen: chosen.event_id.clone(),
+        flaw: Flaw::SwallowsAnError,
+    };
+    let worker = RunningWorker::start_with(config, handler);
+    let dead = |letters: u32| {
+        let env = &env;
+        move || async move { Ok(env.ready(&env.topology.dead_letter_queue).await? == letters) }
+    };
+    env.publish_events(std::slice::from_ref(&chosen)).await?;
+    wait_for("the event dead-lettered", Duration::from_secs(30), dead(1)).await?;
+    env.publish_events(std::slice::from_ref(&chosen)).await?;
+    wait_for(
+        "its late copy dead-lettered",
+        Duration::from_secs(30),
+        dead(2),
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (attempts - 1, 2),
+        "{stats:?}"
+    );
+    let failures: i32 = env
+        .pool
+        .get()
+        .await?
+        .query_one(
+            "SELECT failures FROM mq_failure_ledger WHERE event_id = $1",
+            &[&chosen.event_id],
+        )
+        .await?
+        .get(0);
+    assert_eq!(i64::from(failures), attempts as i64);
+    Ok(())
+}
