@@ -78,7 +78,9 @@ pub struct BenchConfig {
     pub per_message_in_flight: usize,
     /// Rounds; medians are reported.
     pub rounds: usize,
-    /// Also run pgbench with per-message mode's transaction at 16 clients.
+    /// Also run pgbench at 16 clients with per-message mode's transaction, the
+    /// general path's and the textbook's (BEGIN, record, upsert, COMMIT),
+    /// each with PostgreSQL's CPU per transaction.
     pub pgbench: bool,
     /// Also run batch mode announcing every credit through the outbox, and
     /// count a run done once every message is sent too.
@@ -144,11 +146,26 @@ pub struct BenchReport {
     /// Each mode's measurements, one per round, in the order first run
     /// (a mode over a prefilled table is a mode of its own).
     pub rounds: Vec<(String, Vec<Measurement>)>,
-    /// pgbench's transactions per second at 16 clients, per round.
-    pub pgbench_tps: Vec<f64>,
+    /// pgbench at 16 clients running per-message mode's transaction (the
+    /// tally's one statement), per round.
+    pub pgbench: Vec<Pgbench>,
     /// The same transaction as the general path runs it (five statements
     /// instead of the tally's one), per round.
-    pub pgbench_general_tps: Vec<f64>,
+    pub pgbench_general: Vec<Pgbench>,
+    /// The textbook per-message transaction (BEGIN, a consume record
+    /// `INSERT … ON CONFLICT DO NOTHING`, the upsert, COMMIT) on tables of
+    /// its own, per round.
+    pub pgbench_textbook: Vec<Pgbench>,
+}
+
+/// One pgbench run.
+#[derive(Debug, Clone, Copy)]
+pub struct Pgbench {
+    /// Transactions per second.
+    pub tps: f64,
+    /// CPU of the local PostgreSQL server per transaction, in microseconds;
+    /// `None` when it runs elsewhere.
+    pub postgres_us: Option<f64>,
 }
 
 const CEILING: &str = "1 ceiling (ack multiple, no database)";
@@ -387,14 +404,24 @@ impl Bench<'_> {
                 report.push(BATCH_OUTBOX.to_owned(), measured);
             }
             if config.pgbench {
-                bench.reset().await?;
-                let tps = bench.pgbench(&pgbench_script()).await?;
-                eprintln!("  pgbench      {tps:>9.0} tps");
-                report.pgbench_tps.push(tps);
-                bench.reset().await?;
-                let tps = bench.pgbench(&pgbench_general_script()).await?;
-                eprintln!("  pgbench, general path {tps:>9.0} tps");
-                report.pgbench_general_tps.push(tps);
+                for (name, script, runs) in [
+                    ("idem's tally", pgbench_script(), &mut report.pgbench),
+                    (
+                        "idem's general path",
+                        pgbench_general_script(),
+                        &mut report.pgbench_general,
+                    ),
+                    (
+                        "textbook",
+                        PGBENCH_TEXTBOOK.to_owned(),
+                        &mut report.pgbench_textbook,
+                    ),
+                ] {
+                    bench.reset().await?;
+                    let run = bench.pgbench(&script).await?;
+                    eprintln!("  pgbench, {name:<20} {:>9.0} tps", run.tps);
+                    runs.push(run);
+                }
             }
         }
         Ok(report)
@@ -940,9 +967,19 @@ impl<'a> Bench<'a> {
 
     /// pgbench at 16 clients for 10 s running `transaction` (a pgbench
     /// script) on fresh event ids, in the bench's schema.
-    async fn pgbench(&self, transaction: &str) -> anyhow::Result<f64> {
+    async fn pgbench(&self, transaction: &str) -> anyhow::Result<Pgbench> {
         let script = std::env::temp_dir().join(format!("{}.sql", self.schema));
         std::fs::write(&script, transaction)?;
+        self.pool
+            .get()
+            .await?
+            .batch_execute(&format!(
+                "SET search_path TO {schema}; {PGBENCH_TEXTBOOK_TABLES}",
+                schema = self.schema
+            ))
+            .await?;
+        settle_down().await;
+        let before = ServiceCpu::now();
         let output = tokio::process::Command::new("pgbench")
             .env("PGOPTIONS", format!("-c search_path={}", self.schema))
             .args([
@@ -965,13 +1002,18 @@ impl<'a> Bench<'a> {
             "pgbench failed: {}",
             String::from_utf8_lossy(&output.stderr)
         );
-        stdout
-            .lines()
-            .find_map(|line| {
-                let rest = line.strip_prefix("tps = ")?;
-                rest.split_whitespace().next()?.parse().ok()
+        let after = ServiceCpu::now();
+        let field = |prefix: &str| {
+            stdout.lines().find_map(|line| {
+                let rest = line.strip_prefix(prefix)?;
+                rest.split_whitespace().next()?.parse::<f64>().ok()
             })
-            .context("no tps in pgbench's output")
+        };
+        let tps = field("tps = ").context("no tps in pgbench's output")?;
+        let transactions = field("number of transactions actually processed: ")
+            .context("no transaction count in pgbench's output")?;
+        let (postgres_us, _) = after.per_message(&before, transactions);
+        Ok(Pgbench { tps, postgres_us })
     }
 }
 
@@ -1031,6 +1073,27 @@ fn pgbench_general_script() -> String {
         .replace("$2", PGBENCH_GROUP);
     format!("{PGBENCH_VARIABLES}BEGIN;\n{claim};\n{effect};\n{clear};\nCOMMIT;\n")
 }
+
+/// The tables of the textbook transaction, beside idem's in the bench's
+/// schema (removed with it): a consume record keyed by the event id, and
+/// points per order as idem's handler keeps them.
+const PGBENCH_TEXTBOOK_TABLES: &str = "\
+    CREATE TABLE IF NOT EXISTS textbook_consumed (event_id VARCHAR(64) PRIMARY KEY); \
+    CREATE TABLE IF NOT EXISTS textbook_points (\
+        order_id VARCHAR(64) PRIMARY KEY, points BIGINT NOT NULL DEFAULT 0) \
+        WITH (fillfactor = 50);";
+
+/// The transaction a team writes by hand for one message: BEGIN, the
+/// consume record, the upsert, COMMIT (an ack follows it).
+const PGBENCH_TEXTBOOK: &str = "\
+\\set event random(1, 1000000000000)
+\\set order random(1, :orders)
+BEGIN;
+INSERT INTO textbook_consumed (event_id) VALUES ('pgbench-' || :event) ON CONFLICT DO NOTHING;
+INSERT INTO textbook_points (order_id, points) VALUES ('order-' || :order, 7) \
+ON CONFLICT (order_id) DO UPDATE SET points = textbook_points.points + EXCLUDED.points;
+COMMIT;
+";
 
 /// Where PostgreSQL's WAL stood before a run.
 #[derive(Debug, Clone)]
@@ -1328,22 +1391,52 @@ impl fmt::Display for BenchReport {
                 )?;
             }
         }
-        if let (Some(tps), Some(times)) = (
-            median(self.pgbench_tps.iter().copied()),
-            ratio(&rates(PER_MESSAGE), &self.pgbench_tps),
-        ) {
+        let tps = |runs: &[Pgbench]| runs.iter().map(|run| run.tps).collect::<Vec<_>>();
+        let postgres = |runs: &[Pgbench]| median(runs.iter().filter_map(|run| run.postgres_us));
+        for (name, runs) in [
+            (
+                "per-message transaction (the tally's one statement)",
+                &self.pgbench,
+            ),
+            (
+                "the same as the general path's five statements",
+                &self.pgbench_general,
+            ),
+            (
+                "the textbook transaction (BEGIN, record, upsert, COMMIT)",
+                &self.pgbench_textbook,
+            ),
+        ] {
+            if let Some(rate) = median(tps(runs).into_iter()) {
+                let cpu = postgres(runs).map_or("-".to_owned(), |us| format!("{us:.0}"));
+                writeln!(
+                    f,
+                    "pgbench, 16 clients, {name}: {rate:.0} tps, PostgreSQL CPU {cpu} µs/tx"
+                )?;
+            }
+        }
+        if let Some(times) = ratio(&rates(PER_MESSAGE), &tps(&self.pgbench)) {
             writeln!(
                 f,
-                "pgbench, per-message transaction, 16 clients: {tps:.0} tps; per-message mode / pgbench: {times:.2} ×"
+                "per-message mode / pgbench of its transaction: {times:.2} ×"
             )?;
         }
-        if let (Some(tps), Some(times)) = (
-            median(self.pgbench_general_tps.iter().copied()),
-            ratio(&self.pgbench_general_tps, &self.pgbench_tps),
-        ) {
+        if let Some(times) = ratio(&tps(&self.pgbench), &tps(&self.pgbench_textbook)) {
             writeln!(
                 f,
-                "pgbench, the same as the general path's five statements: {tps:.0} tps, {times:.2} × the tally's one"
+                "pgbench, idem's transaction / the textbook's: {times:.2} × the tps"
+            )?;
+        }
+        let cpu_ratio = median(
+            self.pgbench
+                .iter()
+                .zip(&self.pgbench_textbook)
+                .filter_map(|(idem, textbook)| Some(idem.postgres_us? / textbook.postgres_us?)),
+        );
+        if let Some(times) = cpu_ratio {
+            writeln!(
+                f,
+                "pgbench, idem's transaction / the textbook's: {times:.2} × the PostgreSQL CPU"
             )?;
         }
         let rounds = self

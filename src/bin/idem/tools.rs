@@ -209,7 +209,9 @@ pub(crate) struct BenchArgs {
     /// Rounds; medians are reported.
     #[arg(long, default_value_t = 3)]
     pub(crate) rounds: usize,
-    /// Also run pgbench with per-message mode's transaction at 16 clients.
+    /// Also run pgbench at 16 clients with per-message mode's transaction, the
+    /// general path's and the textbook's (BEGIN, record, upsert, COMMIT),
+    /// each with PostgreSQL's CPU per transaction.
     #[arg(long)]
     pub(crate) pgbench: bool,
     /// Also run batch mode announcing every credit through the outbox (its
