@@ -30,6 +30,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(5, "0005_consume_record_epochs.sql"),
     migration!(6, "0006_consume_record_digest_key.sql"),
     migration!(7, "0007_epoch_filters.sql"),
+    migration!(8, "0008_claim_fast_paths.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
