@@ -69,6 +69,26 @@ impl Iterator for Deadline {
     }
 }
 
+/// The end of a log line about a wait: `retrying in 0.6s, for 27s more`,
+/// the second half only when there is a `deadline` worth saying (the
+/// patience of a long-running process is a year).
+pub fn retrying(wait: Duration, deadline: Instant) -> String {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let wait = format!("retrying in {:.1}s", wait.as_secs_f64());
+    if left > Duration::from_secs(24 * 3600) {
+        return wait;
+    }
+    format!(
+        "{wait}, for {} more",
+        crate::duration::format(round_up(left))
+    )
+}
+
+/// `left` to the second above, for a figure a reader takes in at a glance.
+fn round_up(left: Duration) -> Duration {
+    Duration::from_secs(left.as_secs() + u64::from(left.subsec_nanos() > 0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,5 +100,16 @@ mod tests {
             tokio::time::sleep(wait).await;
         }
         assert_eq!(started.elapsed(), Duration::from_secs(2));
+    }
+
+    #[tokio::test(flavor = "current_thread", start_paused = true)]
+    async fn a_retry_line_says_how_long_the_waiting_goes_on() {
+        let now = Instant::now();
+        let wait = Duration::from_millis(600);
+        assert_eq!(
+            retrying(wait, now + Duration::from_millis(26_200)),
+            "retrying in 0.6s, for 27s more"
+        );
+        assert_eq!(retrying(wait, now + RECONNECT_PATIENCE), "retrying in 0.6s");
     }
 }

@@ -191,7 +191,11 @@ pub async fn run_showing<H: Handler>(
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     // The ledger and the consume records are read for every chunk, and
     // reset before every replay: a schema that lacks them is said up front.
-    match store.wait_until_ready::<H>(config.patience, shutdown).await {
+    let server = config.database.describe();
+    match store
+        .wait_until_ready::<H>(&server, config.patience, shutdown)
+        .await
+    {
         Err(ReadyError::Interrupted) => return Ok(report),
         ready => ready?,
     }

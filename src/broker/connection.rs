@@ -65,6 +65,10 @@ impl AmqpConfig {
             .join(", ")
     }
 
+    /// How errors name a URL that does not parse; the command line says
+    /// instead where it came from (`--amqp-url`, `AMQP_URL`).
+    pub const URL: &'static str = "the AMQP URL";
+
     /// [`AmqpConfig::describe`] for the `node`-th URL.
     fn describe_node(&self, node: usize) -> String {
         match self.parse_node(node) {
@@ -74,12 +78,9 @@ impl AmqpConfig {
                 uri.authority.userinfo.username,
                 uri.authority.host,
                 uri.authority.port,
-                percent_encoding::utf8_percent_encode(
-                    &uri.vhost,
-                    percent_encoding::NON_ALPHANUMERIC
-                )
+                percent_encoding::utf8_percent_encode(&uri.vhost, VHOST_ENCODED)
             ),
-            Err(_) if self.urls().len() == 1 => "the AMQP URL".to_owned(),
+            Err(_) if self.urls().len() == 1 => Self::URL.to_owned(),
             Err(_) => format!("AMQP URL number {}", node + 1),
         }
     }
@@ -118,6 +119,14 @@ impl AmqpConfig {
     }
 }
 
+/// What a vhost's name encodes when a URL names it: all but a URL path's
+/// unreserved characters, so that `/` reads `%2F` and `my_app` stays.
+const VHOST_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// Why a connection could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -132,7 +141,7 @@ pub enum ConnectError {
     },
     /// idem's own settings for the connection cannot work (a CA file with
     /// an `amqp://` URL, a CA file that is not PEM). Retrying will not help.
-    #[error("cannot connect to RabbitMQ at {url}: {reason}")]
+    #[error("cannot use {url} for RabbitMQ: {reason}")]
     Settings {
         /// The broker, as [`AmqpConfig::describe`] names it.
         url: String,
@@ -296,11 +305,12 @@ pub async fn connect_with_retry(
     patience: Duration,
     shutdown: &CancellationToken,
 ) -> Result<Connection, ConnectError> {
+    let deadline = tokio::time::Instant::now() + patience;
     let attempts = (|| connect(config, name))
         .retry(crate::backoff::until(patience))
         .sleep(tokio::time::sleep)
         .when(|error| !error.is_refusal())
-        .notify(|error, wait| warn!("{error}; retrying in {:.1}s", wait.as_secs_f64()));
+        .notify(|error, wait| warn!("{error}; {}", crate::backoff::retrying(wait, deadline)));
     tokio::select! {
         result = attempts => result,
         () = shutdown.cancelled() => Err(ConnectError::Interrupted),
@@ -535,5 +545,22 @@ mod tests {
         assert!(kept.as_ref().and_then(refusal).is_some());
         let kept = first_refusal(None, lost());
         assert!(kept.as_ref().and_then(refusal).is_none());
+    }
+
+    #[test]
+    fn a_vhost_is_named_as_a_url_writes_it_without_its_password() {
+        let named = |url: &str| AmqpConfig::new(SecretUrl::new(url.to_owned())).describe();
+        assert_eq!(
+            named("amqp://app:s3cret@broker:5672/newcomer_idem"),
+            "amqp://app@broker:5672/newcomer_idem"
+        );
+        assert_eq!(
+            named("amqp://app:s3cret@broker:5672/%2f"),
+            "amqp://app@broker:5672/%2F"
+        );
+        assert_eq!(
+            named("amqp://app:s3cret@broker:5672/a%20b"),
+            "amqp://app@broker:5672/a%20b"
+        );
     }
 }

@@ -223,7 +223,7 @@ pub(crate) struct WorkerArgs<F: Args> {
     pub(crate) shutdown_timeout: Wait,
     /// Serve /metrics (Prometheus), /healthz and /readyz on this address
     /// (e.g. 127.0.0.1:9475) [default: nowhere].
-    #[arg(long, env = vars::HTTP_ADDR)]
+    #[arg(long, env = vars::HTTP_ADDR, value_parser = socket_addr)]
     pub(crate) http_addr: Option<std::net::SocketAddr>,
     /// How often to log what was done (applied, duplicates, dead-lettered,
     /// rate); `0` only logs the totals at the end.
@@ -627,6 +627,19 @@ impl fmt::Display for Delays {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&duration::format_list(&self.0))
     }
+}
+
+/// An address to listen on, `HOST:PORT`; a port alone is told so.
+fn socket_addr(text: &str) -> Result<std::net::SocketAddr, String> {
+    text.parse().map_err(|_| {
+        if text.parse::<u16>().is_ok() {
+            format!(
+                "say HOST:PORT, such as 127.0.0.1:{text} (or 0.0.0.0:{text} for every interface)"
+            )
+        } else {
+            "say HOST:PORT with an IP address, such as 127.0.0.1:9475".to_owned()
+        }
+    })
 }
 
 /// A setting that parsed but makes no sense, said in terms of its flags.

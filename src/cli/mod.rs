@@ -45,7 +45,7 @@ use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, warn};
+use tracing::{error, info};
 
 pub use args::{AmqpArgs, DatabaseArgs, Delays, RouteArgs, SettingError, Wait, WaitArgs, choice};
 
@@ -345,7 +345,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Err(e) => {
                 let line = format!(
                     "{} (see {} --help)",
-                    usage_error(&e),
+                    blame_env(&usage_error(&e), &e, &command, &args),
                     asked(&command, &args)
                 );
                 telemetry::fatal_as(&self.name, log_format_asked(&args), &line);
@@ -389,8 +389,26 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             }
             match self.dispatch(cli.command, shutdown).await {
                 Ok(code) => code,
+                // Flags that parsed but can never work together: a usage
+                // error, as clap's own are.
+                Err(e) if e.is::<SettingError>() => {
+                    let line = format!("{e} (see {} --help)", asked(&command, &args));
+                    telemetry::fatal_as(&name, format, &line);
+                    ExitCode::from(2)
+                }
                 Err(e) => {
-                    telemetry::fatal_as(&name, format, &one_line(&e));
+                    let database = origin(&args, "--database-url", crate::vars::DATABASE_URL);
+                    let broker = origin(&args, "--amqp-url", crate::vars::AMQP_URL);
+                    let mut line = one_line(&e)
+                        .replace(crate::store::ConfigError::URL, &database)
+                        .replace(crate::broker::AmqpConfig::URL, &broker);
+                    if waited_out(&e) {
+                        line.push_str(&format!(
+                            " (--startup-timeout, {}, says how long to wait)",
+                            crate::vars::STARTUP_TIMEOUT
+                        ));
+                    }
+                    telemetry::fatal_as(&name, format, &line);
                     ExitCode::FAILURE
                 }
             }
@@ -408,17 +426,32 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Command::Migrate(args) => {
                 let database = args.database.config(1);
                 let pool = database.pool()?;
-                let applied = migrate::run_when_ready::<H>(
+                let server = database.describe();
+                let applied = match migrate::run_when_ready::<H>(
+                    &server,
                     &pool,
                     database.schema.as_deref(),
                     args.wait.startup_timeout(),
                     &shutdown,
                 )
                 .await
-                .with_context(|| format!("migrating {}", database.describe()))?;
+                {
+                    Ok(applied) => applied,
+                    // Says which database itself.
+                    Err(migrate::MigrateError::Ready(error)) => return Err(error.into()),
+                    Err(error) => {
+                        return Err(
+                            anyhow::Error::new(error).context(format!("migrating {server}"))
+                        );
+                    }
+                };
+                let place = match &database.schema {
+                    Some(schema) => format!("{server}, schema {schema}"),
+                    None => format!("{server}, its search_path"),
+                };
                 match applied.as_slice() {
-                    [] => println!("migrations: up to date"),
-                    names => println!("migrations: applied {}", names.join(", ")),
+                    [] => println!("migrations: {place} is up to date"),
+                    names => println!("migrations: applied {} to {place}", names.join(", ")),
                 }
             }
             Command::Worker(args) => {
@@ -485,11 +518,11 @@ async fn relay_outbox<H: Handler>(
     let pool = database.pool()?;
     // The outbox is idem's: the handler's history is only checked for being there.
     match Store::new(pool.clone(), "")
-        .wait_until_ready::<H>(config.patience, shutdown)
+        .wait_until_ready::<H>(&database.describe(), config.patience, shutdown)
         .await
     {
         Err(ReadyError::Interrupted) => return Ok(ExitCode::SUCCESS),
-        ready => ready.with_context(|| format!("relaying from {}", database.describe()))?,
+        ready => ready?,
     }
     let counters = relay::RelayCounters::default();
     let report = relay::run(&pool, &config, &counters, shutdown).await?;
@@ -585,6 +618,11 @@ fn usage_error(error: &clap::Error) -> String {
 /// The binary, and the subcommands named in `args` (`idem dlq replay`), as
 /// far as they are known: whose help to read.
 fn asked(command: &clap::Command, args: &[OsString]) -> String {
+    asked_command(command, args).0.join(" ")
+}
+
+/// The names of [`asked`], and the last subcommand's definition.
+fn asked_command(command: &clap::Command, args: &[OsString]) -> (Vec<String>, clap::Command) {
     let mut command = command.clone();
     let mut path = vec![command.get_name().to_owned()];
     for arg in args.iter().skip(1) {
@@ -595,7 +633,66 @@ fn asked(command: &clap::Command, args: &[OsString]) -> String {
         path.push(arg.into_owned());
         command = sub;
     }
-    path.join(" ")
+    (path, command)
+}
+
+/// True when `flag` (`--database-url`) is among `args`, alone or with `=`.
+fn given(args: &[OsString], flag: &str) -> bool {
+    args.iter().skip(1).any(|arg| {
+        let arg = arg.to_string_lossy();
+        arg == flag
+            || arg
+                .strip_prefix(flag)
+                .is_some_and(|rest| rest.starts_with('='))
+    })
+}
+
+/// Where a setting came from, for an error about it: its flag when it is
+/// on the command line, else its environment variable.
+fn origin(args: &[OsString], flag: &str, env: &str) -> String {
+    if given(args, flag) {
+        flag.to_owned()
+    } else {
+        env.to_owned()
+    }
+}
+
+/// `line`, clap's words for a value it refused, naming the environment
+/// variable rather than the flag when the value came from there: clap
+/// blames the flag either way.
+fn blame_env(
+    line: &str,
+    error: &clap::Error,
+    command: &clap::Command,
+    args: &[OsString],
+) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    if !matches!(
+        error.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        return line.to_owned();
+    }
+    let Some(ContextValue::String(shown)) = error.get(ContextKind::InvalidArg) else {
+        return line.to_owned();
+    };
+    let flag = shown.split_whitespace().next().unwrap_or_default();
+    let (_, leaf) = asked_command(command, args);
+    let env = leaf
+        .get_arguments()
+        .find(|arg| {
+            arg.get_long()
+                .is_some_and(|long| flag == format!("--{long}"))
+        })
+        .and_then(|arg| arg.get_env())
+        .map(|env| env.to_string_lossy().into_owned());
+    match env {
+        Some(env) if !given(args, flag) && std::env::var_os(&env).is_some() => line.replace(
+            &format!("for '{shown}'"),
+            &format!("in {env} (read for {flag})"),
+        ),
+        _ => line.to_owned(),
+    }
 }
 
 /// The log format asked for, read from the raw arguments and environment:
@@ -629,6 +726,28 @@ fn one_line(error: &anyhow::Error) -> String {
     line.replace('\n', " ")
 }
 
+/// True when `error` is a service that did not answer within the start-up
+/// timeout: the flag that would have waited longer is worth naming.
+fn waited_out(error: &anyhow::Error) -> bool {
+    use crate::broker::ConnectError;
+    use crate::worker::WorkerError;
+    error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<ReadyError>(),
+            Some(ReadyError::Unavailable { .. })
+        ) || matches!(
+            cause.downcast_ref::<ConnectError>(),
+            Some(ConnectError::Unreachable { .. })
+        ) || matches!(
+            cause.downcast_ref::<WorkerError>(),
+            Some(
+                WorkerError::Database(ReadyError::Unavailable { .. })
+                    | WorkerError::Connect(ConnectError::Unreachable { .. })
+            )
+        )
+    })
+}
+
 /// SIGINT or SIGTERM cancels `shutdown`; a second one exits at once.
 fn watch_signals(shutdown: CancellationToken) -> std::io::Result<()> {
     let mut interrupt = signal(SignalKind::interrupt())?;
@@ -638,7 +757,7 @@ fn watch_signals(shutdown: CancellationToken) -> std::io::Result<()> {
             _ = interrupt.recv() => {}
             _ = terminate.recv() => {}
         }
-        warn!("shutdown signal received; a second one exits at once");
+        info!("shutdown signal received; a second one exits at once");
         shutdown.cancel();
         tokio::select! {
             _ = interrupt.recv() => {}

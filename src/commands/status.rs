@@ -63,7 +63,11 @@ pub async fn run<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Status> {
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
-    match store.wait_until_ready::<H>(config.patience, shutdown).await {
+    let server = config.database.describe();
+    match store
+        .wait_until_ready::<H>(&server, config.patience, shutdown)
+        .await
+    {
         Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
         ready => ready?,
     }
@@ -146,8 +150,8 @@ impl fmt::Display for Status {
         } = self.epochs;
         writeln!(
             f,
-            "  epochs             {epochs} (the current one has taken about {current_records} \
-             records; {filtered} closed with a filter)"
+            "  epochs             {epochs} ({filtered} closed with a filter; the current one has \
+             handed out about {current_records} record ids, duplicates and rollbacks included)"
         )?;
         writeln!(f, "  failure ledger     {} event(s) failing", self.failing)?;
         let reasons: Vec<String> = self

@@ -50,6 +50,15 @@ impl StoreError {
         declined.or_else(|| crate::tls::refusal(error))
     }
 
+    /// What went wrong, without saying again that there is no connection:
+    /// for a message that already says so.
+    pub fn cause(&self) -> String {
+        match self {
+            StoreError::Pool(error) => describe_pool(error),
+            StoreError::Postgres(error) => describe(error),
+        }
+    }
+
     /// The SQLSTATE, when the server sent one.
     pub fn code(&self) -> Option<&SqlState> {
         match self {

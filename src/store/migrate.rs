@@ -67,6 +67,7 @@ impl From<tokio_postgres::Error> for MigrateError {
 /// [`run`], once PostgreSQL answers: waits for it as the worker does, for
 /// at most `patience`.
 pub async fn run_when_ready<H: Handler>(
+    server: &str,
     pool: &Pool,
     schema: Option<&str>,
     patience: Duration,
@@ -74,8 +75,10 @@ pub async fn run_when_ready<H: Handler>(
 ) -> Result<Vec<String>, MigrateError> {
     // The first connection tells whether the database answers; the
     // migrations then run on it at once.
-    let answered =
-        super::until_answered(patience, shutdown, || async { Ok(pool.get().await?) }).await?;
+    let answered = super::until_answered(server, patience, shutdown, || async {
+        Ok(pool.get().await?)
+    })
+    .await?;
     drop(answered);
     run::<H>(pool, schema).await
 }

@@ -65,15 +65,16 @@ pub struct DatabaseConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The connection string does not parse.
-    #[error("DATABASE_URL is not a valid PostgreSQL connection string: {0}")]
+    #[error("{url} is not a valid PostgreSQL connection string: {0}", url = ConfigError::URL)]
     Url(String),
     /// The CA file cannot be read, or holds no certificate.
     #[error(transparent)]
     CaFile(#[from] crate::tls::CaFileError),
     /// A CA file was given for a connection that will not use TLS.
     #[error(
-        "a database CA file is set, but DATABASE_URL does not say sslmode=require: \
-         idem would connect without TLS"
+        "a database CA file is set, but {} does not say sslmode=require: \
+         idem would connect without TLS",
+        ConfigError::URL
     )]
     CaFileWithoutTls,
     /// No CA file, and the system has no CA certificates to verify with.
@@ -98,6 +99,12 @@ pub enum ConfigError {
         /// The name.
         name: String,
     },
+}
+
+impl ConfigError {
+    /// How these errors name the connection string; the command line says
+    /// instead where it came from (`--database-url`, `DATABASE_URL`).
+    pub const URL: &'static str = "the database URL";
 }
 
 impl DatabaseConfig {
@@ -166,7 +173,7 @@ impl DatabaseConfig {
         let url = self.url.expose();
         let config: tokio_postgres::Config = verify_full_as_require(url)
             .parse()
-            .map_err(|e: tokio_postgres::Error| ConfigError::Url(parse_error(&e)))?;
+            .map_err(|e: tokio_postgres::Error| ConfigError::Url(parse_error(&e, url)))?;
         if !crate::secret::parsed_as_written(url, config.get_password().unwrap_or_default()) {
             return Err(ConfigError::Url(
                 "its password is not where a URL's password stands; a / # @ or % in the \
@@ -231,21 +238,40 @@ impl DatabaseConfig {
     }
 }
 
-/// Why the database cannot be used.
+/// Why the database cannot be used. Each names the database, as
+/// [`DatabaseConfig::describe`] does.
 #[derive(Debug, thiserror::Error)]
 pub enum ReadyError {
     /// PostgreSQL answered and said no.
-    #[error("PostgreSQL refused the connection: {0}")]
-    Refused(StoreError),
+    #[error("PostgreSQL at {server} refused the connection: {}", .error.cause())]
+    Refused {
+        /// The database.
+        server: String,
+        /// What it said.
+        error: StoreError,
+    },
     /// PostgreSQL did not answer within the start-up timeout.
-    #[error("PostgreSQL did not answer in time: {0}")]
-    Unavailable(StoreError),
+    #[error(
+        "PostgreSQL at {server} did not answer within {}: {}",
+        crate::duration::format(*.patience),
+        .error.cause()
+    )]
+    Unavailable {
+        /// The database.
+        server: String,
+        /// How long it was waited for: the start-up timeout.
+        patience: Duration,
+        /// The last attempt's error.
+        error: StoreError,
+    },
     /// The tables are missing or older than this idem or its handler.
     #[error(
-        "schema {search_path} is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
+        "in {server}, {search_path} is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
     )]
     NotMigrated {
-        /// Where the tables were looked for: the sessions' `search_path`.
+        /// The database.
+        server: String,
+        /// Where the tables were looked for, as [`where_tables_are`] says it.
         search_path: String,
         /// Whose migrations: `idem`, or `handler <name>`.
         history: String,
@@ -289,8 +315,17 @@ fn verify_full_as_require(url: &str) -> std::borrow::Cow<'_, str> {
 /// Why a connection string does not parse, with tokio-postgres's cause
 /// ("invalid value for option `sslmode`") but never a character of the
 /// string itself, which may be part of a password.
-fn parse_error(error: &tokio_postgres::Error) -> String {
+fn parse_error(error: &tokio_postgres::Error, url: &str) -> String {
     use std::error::Error as _;
+    // Read as key=value pairs, another scheme fails on its end.
+    if let Some((scheme, _)) = url.split_once("://")
+        && scheme
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+        && !matches!(scheme, "postgres" | "postgresql")
+    {
+        return format!("it must start with postgres:// or postgresql://, not {scheme}://");
+    }
     match error.source() {
         Some(cause) => {
             let cause = cause.to_string();
@@ -338,6 +373,7 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
 /// at most `patience`, one log line per attempt; a refusal (credentials, an
 /// unknown database, a certificate) ends it at once, as does `shutdown`.
 pub async fn until_answered<T, F, Fut>(
+    server: &str,
     patience: Duration,
     shutdown: &CancellationToken,
     operation: F,
@@ -346,21 +382,23 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, StoreError>>,
 {
+    let deadline = tokio::time::Instant::now() + patience;
     let attempts = operation
         .retry(crate::backoff::until(patience))
         .sleep(tokio::time::sleep)
         .when(|error| !is_refusal(error))
         .notify(|error, wait| {
             warn!(
-                "PostgreSQL is unavailable: {error}; retrying in {:.1}s",
-                wait.as_secs_f64()
+                "PostgreSQL at {server} is unavailable: {}; {}",
+                error.cause(),
+                crate::backoff::retrying(wait, deadline)
             );
         });
     tokio::select! {
         result = attempts => result.map_err(|error| if is_refusal(&error) {
-            ReadyError::Refused(error)
+            ReadyError::Refused { server: server.to_owned(), error }
         } else {
-            ReadyError::Unavailable(error)
+            ReadyError::Unavailable { server: server.to_owned(), patience, error }
         }),
         () = shutdown.cancelled() => Err(ReadyError::Interrupted),
     }
@@ -442,11 +480,12 @@ impl Store {
     /// those.
     pub async fn wait_until_ready<H: Handler>(
         &self,
+        server: &str,
         patience: Duration,
         shutdown: &CancellationToken,
     ) -> Result<(), ReadyError> {
         let (idem, handler, search_path) =
-            until_answered(patience, shutdown, || self.schema_versions(H::NAME)).await?;
+            until_answered(server, patience, shutdown, || self.schema_versions(H::NAME)).await?;
         for (history, found, needed) in [
             (
                 "idem".to_owned(),
@@ -461,6 +500,7 @@ impl Store {
         ] {
             if found < needed {
                 return Err(ReadyError::NotMigrated {
+                    server: server.to_owned(),
                     search_path,
                     history,
                     found,
@@ -475,10 +515,13 @@ impl Store {
     /// (0 where none was), and the search path they were looked for in.
     async fn schema_versions(&self, handler: &str) -> Result<(i32, i32, String), StoreError> {
         let client = self.pool.get().await?;
-        let search_path: String = client
-            .query_one("SELECT current_setting('search_path')", &[])
-            .await?
-            .try_get(0)?;
+        let row = client
+            .query_one(
+                "SELECT current_schema(), current_setting('search_path')",
+                &[],
+            )
+            .await?;
+        let search_path = where_tables_are(row.try_get(0)?, row.try_get(1)?);
         let idem = client
             .query_one("SELECT max(version) FROM idem_schema_migrations", &[])
             .await;
@@ -579,6 +622,22 @@ impl Store {
     }
 }
 
+/// Where unqualified tables are found, for an error: the schema
+/// (`current_schema()`, the first of the search path that exists), and the
+/// search path when it names more than that one.
+fn where_tables_are(schema: Option<String>, search_path: String) -> String {
+    let single = !search_path.contains(',');
+    let named = search_path.trim().trim_matches('"');
+    match schema {
+        Some(schema) if single && named == schema => format!("schema {schema}"),
+        Some(schema) => {
+            format!("schema {schema} (the first of search_path {search_path} that exists)")
+        }
+        None if single => format!("schema {named} (which does not exist)"),
+        None => format!("search_path {search_path} (none of whose schemas exists)"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -614,23 +673,51 @@ mod tests {
 
     #[test]
     fn a_connection_string_that_does_not_parse_says_why_without_echoing_it() {
-        let error = "postgres://db/x?sslmode=verify-ca"
-            .parse::<tokio_postgres::Config>()
-            .err()
-            .map(|e| parse_error(&e));
+        let said = |url: &str| {
+            url.parse::<tokio_postgres::Config>()
+                .err()
+                .map(|e| parse_error(&e, url))
+        };
+        let error = said("postgres://db/x?sslmode=verify-ca");
         assert_eq!(
             error.as_deref(),
             Some("invalid connection string: invalid value for option `sslmode`")
         );
         // tokio-postgres's own text would end "but got `h`": a character of
         // the password.
-        let error = "host=db password hunter2"
-            .parse::<tokio_postgres::Config>()
-            .err()
-            .map(|e| parse_error(&e));
+        let error = said("host=db password hunter2");
         assert_eq!(
             error.as_deref(),
             Some("invalid connection string: unexpected character at byte 17: expected `=`")
+        );
+        // Another database's URL reads as key=value pairs and fails at its
+        // end: the scheme is what is wrong.
+        assert_eq!(
+            said("mysql://x").as_deref(),
+            Some("it must start with postgres:// or postgresql://, not mysql://")
+        );
+        // What precedes a :// that is no scheme is never echoed.
+        let error = said("password=se://cret host").unwrap_or_default();
+        assert!(!error.contains("se:") && !error.contains("cret"), "{error}");
+    }
+
+    #[test]
+    fn the_schema_of_the_tables_is_named_not_only_the_search_path() {
+        let named = |schema: Option<&str>, path: &str| {
+            where_tables_are(schema.map(str::to_owned), path.to_owned())
+        };
+        assert_eq!(named(Some("billing"), "billing"), "schema billing");
+        assert_eq!(
+            named(Some("public"), "\"$user\", public"),
+            "schema public (the first of search_path \"$user\", public that exists)"
+        );
+        assert_eq!(
+            named(None, "billing"),
+            "schema billing (which does not exist)"
+        );
+        assert_eq!(
+            named(None, "\"$user\", nowhere"),
+            "search_path \"$user\", nowhere (none of whose schemas exists)"
         );
     }
 }

@@ -407,7 +407,11 @@ impl<H: Handler> Worker<H> {
         let store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
         let epochs_pool = epochs::pool(&self.config.database)?;
         match store
-            .wait_until_ready::<H>(self.config.startup_timeout, &shutdown)
+            .wait_until_ready::<H>(
+                &self.config.database.describe(),
+                self.config.startup_timeout,
+                &shutdown,
+            )
             .await
         {
             Ok(()) => {}

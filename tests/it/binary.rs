@@ -496,8 +496,11 @@ async fn a_usage_error_says_in_one_line_what_is_wrong_and_which_help_to_read() -
         ),
         (
             &["worker", "--prefetch", "100", "--batch-size", "500"][..],
-            &["--batch-size (500) is above --prefetch (100)"][..],
-            1,
+            &[
+                "--batch-size (500) is above --prefetch (100)",
+                "(see idem worker --help)",
+            ][..],
+            2,
         ),
     ] {
         let mut command = idem(&env);
@@ -508,6 +511,58 @@ async fn a_usage_error_says_in_one_line_what_is_wrong_and_which_help_to_read() -
         for part in says {
             assert!(stderr.contains(part), "{args:?}: {stderr}");
         }
+    }
+    // Each value is blamed on where it came from: the environment or a flag.
+    for (env_var, args, says, code) in [
+        (
+            Some(("IDEM_BATCH_WAIT", "5")),
+            &["worker"][..],
+            "invalid value '5' in IDEM_BATCH_WAIT (read for --batch-wait)",
+            2,
+        ),
+        (
+            None,
+            &["worker", "--http-addr", "9475"][..],
+            "say HOST:PORT, such as 127.0.0.1:9475",
+            2,
+        ),
+        (
+            None,
+            &["worker", "--database-url", "mysql://x"][..],
+            "--database-url is not a valid PostgreSQL connection string: \
+             it must start with postgres:// or postgresql://, not mysql://",
+            1,
+        ),
+        (
+            Some(("DATABASE_URL", "mysql://x")),
+            &["worker"][..],
+            "DATABASE_URL is not a valid PostgreSQL connection string",
+            1,
+        ),
+        (
+            Some(("AMQP_URL", "amqp//x")),
+            &[
+                "publish",
+                "--event-id",
+                "e",
+                "--order-id",
+                "o",
+                "--points",
+                "1",
+            ][..],
+            "cannot use AMQP_URL for RabbitMQ: not a valid amqp:// or amqps:// URL",
+            1,
+        ),
+    ] {
+        let mut command = idem(&env);
+        if let Some((name, value)) = env_var {
+            command.env(name, value);
+        }
+        command.args(args);
+        let (exit, _, stderr) = output(command).await?;
+        assert_eq!(exit, Some(code), "{env_var:?} {args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(says), "{env_var:?} {args:?}: {stderr}");
     }
     // As JSON, with the JSON log format.
     let mut command = idem(&env);
@@ -530,6 +585,8 @@ async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker
     let env = TestEnv::new().await?;
     // Nothing listens on port 1: every attempt is refused at once.
     let nowhere = &crate::helpers::database_url_at(1);
+    let server =
+        idem::store::DatabaseConfig::new(idem::secret::SecretUrl::new(nowhere.clone())).describe();
     for subcommand in ["migrate", "worker"] {
         let mut command = crate::helpers::idem_command(&env, &amqp_url(), nowhere);
         command
@@ -545,8 +602,11 @@ async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker
             "{subcommand} gave up after {took:?}: {stderr}"
         );
         assert!(
-            stderr.contains("PostgreSQL is unavailable")
-                && stderr.contains("did not answer in time"),
+            stderr.contains(&format!("PostgreSQL at {server} is unavailable"))
+                && stderr.contains("for 2s more")
+                && stderr.contains("did not answer within 2s")
+                && stderr
+                    .contains("(--startup-timeout, IDEM_STARTUP_TIMEOUT, says how long to wait)"),
             "{subcommand}: {stderr}"
         );
     }
@@ -565,8 +625,10 @@ async fn an_unmigrated_schema_is_named_and_the_dead_letter_commands_say_to_migra
         assert_eq!(code, Some(1), "{args:?}: {stdout}{stderr}");
         assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
         assert!(
-            stderr.contains(&format!("schema {schema} is at migration 0"))
-                && stderr.matches("run `idem migrate` first").count() == 1,
+            stderr.contains(&format!(
+                "in {}, schema {schema} (which does not exist) is at migration 0",
+                env.database.describe()
+            )) && stderr.matches("run `idem migrate` first").count() == 1,
             "{args:?}: {stderr}"
         );
     }
@@ -628,3 +690,61 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
 }
 
 in_both_modes!(a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_released);
+
+/// The demo runs on data of its own, says what it leaves behind, and
+/// `--clean` removes all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_says_what_it_leaves_behind_and_clean_removes_it() -> anyhow::Result<()> {
+    let env = TestEnv::in_own_database().await?;
+    let vhost = crate::helpers::Vhost::add(".*", ".*", ".*")?;
+    let database = crate::helpers::database_url_in(&env.database_name());
+    let demo = |args: &[&str]| {
+        let mut command = crate::helpers::idem_command(&env, &vhost.amqp_url(), &database);
+        command
+            .env_remove(idem::vars::SCHEMA)
+            .arg("demo")
+            .args(args);
+        command
+    };
+    let (code, stdout, stderr) = output(demo(&[])).await?;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("applied              4")
+            && stdout.contains(
+                "left behind: schema idem_demo, queues and exchanges named idem-demo.*; \
+                 `idem demo --clean` removes them"
+            ),
+        "{stdout}"
+    );
+    let schema_exists = || async {
+        let client = tokio_postgres::connect(&database, tokio_postgres::NoTls).await;
+        let (client, connection) = client?;
+        tokio::spawn(connection);
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM pg_namespace WHERE nspname = 'idem_demo'",
+                &[],
+            )
+            .await?;
+        anyhow::Ok(row.try_get::<_, i64>(0)? == 1)
+    };
+    let queues = || -> anyhow::Result<usize> {
+        let listed = crate::helpers::rabbitmqctl()
+            .args(["list_queues", "-q", "-p", &vhost.0, "name"])
+            .output()?;
+        anyhow::ensure!(listed.status.success(), "rabbitmqctl list_queues failed");
+        Ok(String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter(|line| line.starts_with("idem-demo."))
+            .count())
+    };
+    assert!(schema_exists().await?);
+    assert!(queues()? > 0);
+
+    let (code, stdout, stderr) = output(demo(&["--clean"])).await?;
+    assert_eq!(code, Some(0), "{stdout}{stderr}");
+    assert!(stdout.contains("removed schema idem_demo"), "{stdout}");
+    assert!(!schema_exists().await?, "the demo's schema is gone");
+    assert_eq!(queues()?, 0, "the demo's queues are gone");
+    Ok(())
+}

@@ -117,7 +117,11 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
     // This idem's worker will not start on it before `idem migrate`.
     let store = Store::new(old.pool.clone(), GROUP);
     let refused = store
-        .wait_until_ready::<Points>(Duration::from_secs(5), &CancellationToken::new())
+        .wait_until_ready::<Points>(
+            "the test database",
+            Duration::from_secs(5),
+            &CancellationToken::new(),
+        )
         .await;
     match refused {
         Err(error @ ReadyError::NotMigrated { .. }) => {
@@ -381,7 +385,11 @@ async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()>
     // A newer build of the handler needs its third: the worker says so.
     let store = Store::new(env.pool.clone(), GROUP);
     let refused = store
-        .wait_until_ready::<Notes<THREE>>(Duration::from_secs(5), &CancellationToken::new())
+        .wait_until_ready::<Notes<THREE>>(
+            "the test database",
+            Duration::from_secs(5),
+            &CancellationToken::new(),
+        )
         .await
         .err()
         .map(|error| error.to_string())
@@ -395,7 +403,11 @@ async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()>
         vec!["notes/0003_note_author.sql"]
     );
     store
-        .wait_until_ready::<Notes<THREE>>(Duration::from_secs(5), &CancellationToken::new())
+        .wait_until_ready::<Notes<THREE>>(
+            "the test database",
+            Duration::from_secs(5),
+            &CancellationToken::new(),
+        )
         .await?;
     Ok(())
 }
