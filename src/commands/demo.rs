@@ -71,6 +71,33 @@ fn sample() -> Vec<Vec<u8>> {
     ]
 }
 
+/// What a run leaves behind, and how to remove it.
+fn left_behind() -> String {
+    format!(
+        "schema {SCHEMA}, queues and exchanges named {PREFIX}*; `idem demo --clean` removes them"
+    )
+}
+
+/// Removes what [`run`] leaves behind: its schema, queues and exchanges.
+/// Says what it removed.
+pub async fn clean(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<String> {
+    let topology = points::topology().prefixed(PREFIX);
+    let credits = Credits::of(&topology);
+    let pool = database.pool()?;
+    let client = pool.get().await.context("cannot reach PostgreSQL")?;
+    let connection = connect(&amqp, "idem demo").await?;
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        .await
+        .context("cannot drop the demo schema")?;
+    delete_topology(&connection, &topology).await?;
+    credits.delete(&connection).await?;
+    close(&connection).await;
+    Ok(format!(
+        "removed schema {SCHEMA} and the queues and exchanges named {PREFIX}*"
+    ))
+}
+
 /// Runs the demo against `amqp` and `database` (whose schema is replaced by
 /// the demo's own).
 pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<DemoReport> {
@@ -197,10 +224,8 @@ impl Credits {
         }
     }
 
-    /// Both anew: deleted, declared, bound.
-    async fn reset(&self, connection: &lapin::Connection) -> anyhow::Result<()> {
-        use lapin::options::ExchangeDeclareOptions;
-        use lapin::types::FieldTable;
+    /// Both gone.
+    async fn delete(&self, connection: &lapin::Connection) -> anyhow::Result<()> {
         let channel = connection.create_channel().await?;
         channel
             .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
@@ -211,6 +236,16 @@ impl Credits {
                 ExchangeDeleteOptions::default(),
             )
             .await?;
+        close_channel(&channel).await;
+        Ok(())
+    }
+
+    /// Both anew: deleted, declared, bound.
+    async fn reset(&self, connection: &lapin::Connection) -> anyhow::Result<()> {
+        use lapin::options::ExchangeDeclareOptions;
+        use lapin::types::FieldTable;
+        self.delete(connection).await?;
+        let channel = connection.create_channel().await?;
         channel
             .exchange_declare(
                 self.exchange.as_str().into(),
@@ -270,6 +305,16 @@ impl Credits {
 
 /// Deletes the demo's queues and exchanges, so each run starts empty.
 async fn reset_topology(connection: &lapin::Connection, topology: &Topology) -> anyhow::Result<()> {
+    delete_topology(connection, topology).await?;
+    topology.declare(connection).await?;
+    Ok(())
+}
+
+/// Deletes the demo's queues and exchanges.
+async fn delete_topology(
+    connection: &lapin::Connection,
+    topology: &Topology,
+) -> anyhow::Result<()> {
     let channel = connection.create_channel().await?;
     for queue in topology.queues() {
         channel
@@ -284,7 +329,6 @@ async fn reset_topology(connection: &lapin::Connection, topology: &Topology) -> 
             .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
     }
     close_channel(&channel).await;
-    topology.declare(connection).await?;
     Ok(())
 }
 
@@ -305,7 +349,7 @@ impl fmt::Display for DemoReport {
         writeln!(f, "idem demo")?;
         writeln!(
             f,
-            "  published            {} messages ({} distinct events, producer retries, 1 invalid message)",
+            "  published            {} messages ({} distinct events: producer retries, and 1 invalid message)",
             self.published, self.events
         )?;
         writeln!(f, "  applied              {}", w.applied)?;
@@ -333,9 +377,10 @@ impl fmt::Display for DemoReport {
             f,
             "  downstream queue     {downstream}: {credited} message(s), {keys} idempotency key(s)"
         )?;
-        write!(
+        writeln!(
             f,
             "  look closer: idem dlq list --schema {SCHEMA} --consumer-group {CONSUMER_GROUP} --dead-letter-queue {queue}"
-        )
+        )?;
+        write!(f, "  left behind: {}", left_behind())
     }
 }

@@ -66,9 +66,10 @@ impl fmt::Display for Summary {
         } else {
             "messages"
         };
+        let events = if self.events == 1 { "event" } else { "events" };
         write!(
             f,
-            "published {} {messages} ({} distinct events",
+            "published {} {messages} ({} distinct {events}",
             self.messages, self.events
         )?;
         if self.invalid > 0 {
@@ -222,5 +223,30 @@ mod tests {
         );
         assert_eq!(read_lines(&input[..], "events.jsonl", true)?.len(), 2);
         Ok(())
+    }
+
+    #[test]
+    fn the_summary_says_message_and_event_in_the_singular_for_one() {
+        let summary = |messages, events| {
+            let report = PublishReport {
+                confirmed: messages,
+                ..PublishReport::default()
+            };
+            Summary {
+                messages,
+                events,
+                invalid: 0,
+                report,
+            }
+            .to_string()
+        };
+        assert_eq!(
+            summary(1, 1),
+            "published 1 message (1 distinct event): 1 confirmed"
+        );
+        assert_eq!(
+            summary(3, 2),
+            "published 3 messages (2 distinct events): 3 confirmed"
+        );
     }
 }

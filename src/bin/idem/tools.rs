@@ -61,6 +61,12 @@ impl Commands<Points> for Tools {
                 let report = bench::run(&args.config()?, &shutdown).await?;
                 println!("{report}");
             }
+            Tools::Demo(args) if args.clean => {
+                println!(
+                    "{}",
+                    demo::clean(args.amqp.config(), args.database.config(1)).await?
+                );
+            }
             Tools::Demo(args) => {
                 let report = demo::run(args.amqp.config(), args.database.config(4)).await?;
                 println!("{report}");
@@ -150,6 +156,10 @@ pub(crate) struct PublishArgs {
 /// `demo`.
 #[derive(Debug, Args)]
 pub(crate) struct DemoArgs {
+    /// Remove what the demo leaves behind (its schema, queues and
+    /// exchanges) instead of running it.
+    #[arg(long)]
+    pub(crate) clean: bool,
     #[command(flatten)]
     pub(crate) amqp: AmqpArgs,
     #[command(flatten)]
