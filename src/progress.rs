@@ -9,11 +9,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "cli")]
-use indicatif::{ProgressBar, ProgressStyle};
+use std::fmt;
+
+#[cfg(feature = "cli")]
+use indicatif::{HumanDuration, ProgressBar, ProgressState, ProgressStyle};
 use tracing::info;
 
 /// How often a line is logged when there is no terminal to draw on.
 const LINE_EVERY: Duration = Duration::from_secs(5);
+
+/// How long the work runs before the time left is estimated from its rate.
+#[cfg(feature = "cli")]
+const ESTIMATE_AFTER: Duration = Duration::from_secs(3);
 
 /// The progress of one piece of work; cheap to clone, shared by the tasks
 /// that make it.
@@ -47,9 +54,20 @@ impl Progress {
         #[cfg(feature = "cli")]
         if std::io::stderr().is_terminal() {
             let bar = ProgressBar::new(total).with_message(what);
-            let template = "{msg} {wide_bar} {pos}/{len} {per_sec} eta {eta}";
+            let template = "{msg} {wide_bar} {pos}/{len} {rate}{left}";
             if let Ok(style) = ProgressStyle::with_template(template) {
-                bar.set_style(style);
+                bar.set_style(
+                    style
+                        .with_key("rate", |state: &ProgressState, out: &mut dyn fmt::Write| {
+                            let _ = write!(out, "{:.0}/s", state.per_sec());
+                        })
+                        .with_key("left", |state: &ProgressState, out: &mut dyn fmt::Write| {
+                            // The first seconds' rate says little of the rest.
+                            if state.elapsed() >= ESTIMATE_AFTER {
+                                let _ = write!(out, ", about {} left", HumanDuration(state.eta()));
+                            }
+                        }),
+                );
             }
             return Self(Some(Arc::new(Shown::Bar(bar))));
         }

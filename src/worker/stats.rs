@@ -59,6 +59,7 @@ pub struct Stats {
     consuming: Gauge,
     database_up: Gauge,
     pool: Family<PoolState, Gauge>,
+    pool_max: Gauge,
     relay: crate::relay::RelayCounters,
     epochs: crate::store::filter::EpochCounters,
 }
@@ -138,6 +139,7 @@ impl Stats {
             consuming: Gauge::default(),
             database_up: Gauge::default(),
             pool: Family::default(),
+            pool_max: Gauge::default(),
             relay: crate::relay::RelayCounters::default(),
             epochs: crate::store::filter::EpochCounters::default(),
             registry: Registry::default(),
@@ -213,8 +215,13 @@ impl Stats {
         );
         registry.register(
             "pool_connections",
-            "PostgreSQL connections of the pool, by state (idle, in_use) and its limit (max)",
+            "PostgreSQL connections of the pool, by state (idle, in_use)",
             stats.pool.clone(),
+        );
+        registry.register(
+            "pool_max_connections",
+            "The most PostgreSQL connections the pool opens",
+            stats.pool_max.clone(),
         );
         registry.register(
             "outbox_sent_messages",
@@ -381,15 +388,11 @@ impl Stats {
     /// The pool's connections now: in use, idle, and its limit.
     pub(crate) fn pool(&self, status: deadpool_postgres::Status) {
         let in_use = status.size.saturating_sub(status.available);
-        for (state, n) in [
-            ("in_use", in_use),
-            ("idle", status.available),
-            ("max", status.max_size),
-        ] {
-            self.pool
-                .get_or_create(&PoolState { state })
-                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        let gauge = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        for (state, n) in [("in_use", in_use), ("idle", status.available)] {
+            self.pool.get_or_create(&PoolState { state }).set(gauge(n));
         }
+        self.pool_max.set(gauge(status.max_size));
     }
 }
 

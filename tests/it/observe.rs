@@ -95,7 +95,12 @@ async fn metrics_count_what_was_published_and_the_worker_is_ready(
     assert_eq!(sample(&page, "idem_database_up", &[]), Some(1.0));
     assert_eq!(sample(&page, "idem_consuming", &[]), Some(1.0));
     assert_eq!(sample(&page, "idem_batches_in_flight", &[]), Some(0.0));
-    assert!(sample(&page, "idem_pool_connections", &["state=\"max\""]).is_some_and(|n| n > 0.0));
+    assert!(sample(&page, "idem_pool_max_connections", &[]).is_some_and(|n| n > 0.0));
+    assert_eq!(
+        sample(&page, "idem_pool_connections", &["state=\"max\""]),
+        None,
+        "the limit is a gauge of its own, so that a sum over the states counts connections"
+    );
     assert!(page.trim_end().ends_with("# EOF"));
     worker.stop().await?;
     assert_exact(&env, &load, &invalid).await
@@ -273,7 +278,9 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
         "{stdout}"
     );
     assert!(
-        stdout.contains("epochs             1 (the current one has taken about "),
+        stdout.contains(
+            "epochs             1 (0 closed with a filter; the current one has handed out about "
+        ),
         "{stdout}"
     );
     assert!(
