@@ -25,6 +25,7 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
+use super::contender::{self, Contender};
 use crate::broker::{
     AmqpConfig, Outgoing, PublishOptions, Topology, close, close_channel, connect, publish_all,
     ready_messages,
@@ -87,6 +88,11 @@ pub struct BenchConfig {
     pub outbox: bool,
     /// Which of ceiling, per-message and batch to run.
     pub modes: Vec<Mode>,
+    /// Beside each mode, on the same load, the consumer a team would write
+    /// instead ([`contender`]): the textbook transaction per message beside
+    /// per-message mode, a straightforward batched consumer beside batch
+    /// mode (with its 100 per batch or 5 ms).
+    pub contenders: bool,
     /// The idem binary to run as the worker.
     pub worker_binary: PathBuf,
     /// Another build of idem to measure beside it, in the same rounds.
@@ -138,6 +144,23 @@ pub struct Measurement {
     pub wal_fpi_per_message: Option<f64>,
 }
 
+impl Measurement {
+    /// The worker's, PostgreSQL's and RabbitMQ's CPU per message, when all
+    /// three were measured.
+    pub fn all_cpu_us_per_message(&self) -> Option<f64> {
+        Some(
+            self.cpu_us_per_message?
+                + self.postgres_us_per_message?
+                + self.rabbitmq_us_per_message?,
+        )
+    }
+
+    /// Cores those three kept busy on average while the load drained.
+    pub fn cores_busy(&self) -> Option<f64> {
+        Some(self.all_cpu_us_per_message()? * self.rate / 1e6)
+    }
+}
+
 /// The medians of every round.
 #[derive(Debug, Default)]
 pub struct BenchReport {
@@ -174,6 +197,10 @@ const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 const BATCH: &str = "3 batch";
 const BATCH_BASELINE: &str = "3 batch, baseline build";
 const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
+/// idem's consume records, where the bench counts a worker's progress.
+const IDEM_RECORDS: &str = "mq_consume_record";
+const TEXTBOOK: &str = "2 per-message, textbook consumer";
+const BATCHED: &str = "3 batch, straightforward batched consumer";
 
 /// Where the bench's credits go (the outbox run's).
 fn credited_queue(topology: &Topology) -> String {
@@ -199,6 +226,8 @@ const REMOVING: &str = ", a day removed";
 /// What a worker run measures, besides the mode.
 #[derive(Debug, Clone, Copy)]
 struct Run {
+    /// Where the run's consume records are: idem's, or a contender's.
+    records: &'static str,
     /// The run's consume records are those whose id is above it.
     floor: i64,
     /// The run is done once every outgoing message is sent too.
@@ -367,6 +396,7 @@ impl Bench<'_> {
                             bench.publish(&bodies).await?;
                             settle_down().await;
                             let run = Run {
+                                records: IDEM_RECORDS,
                                 floor,
                                 outbox: false,
                                 removal: removal.then(|| bench.layout(prefill).len()),
@@ -381,6 +411,26 @@ impl Bench<'_> {
                         }
                     }
                 }
+                if config.contenders {
+                    let (key, args) = match wanted {
+                        Mode::PerMessage => (TEXTBOOK, bench.contender_args(Contender::Textbook)),
+                        _ => (BATCHED, bench.contender_args(Contender::Batched)),
+                    };
+                    bench.reset().await?;
+                    bench.publish(&bodies).await?;
+                    settle_down().await;
+                    let run = Run {
+                        records: contender::TABLE,
+                        floor: 0,
+                        outbox: false,
+                        removal: None,
+                    };
+                    let measured = bench
+                        .worker(&config.worker_binary, &args, &load, run)
+                        .await?;
+                    eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
+                    report.push(key.to_owned(), measured);
+                }
             }
             if config.outbox && config.modes.contains(&Mode::Batch) {
                 bench.reset().await?;
@@ -389,6 +439,7 @@ impl Bench<'_> {
                 let mut args = bench.batch_args();
                 args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
                 let run = Run {
+                    records: IDEM_RECORDS,
                     floor: 0,
                     outbox: true,
                     removal: None,
@@ -460,6 +511,11 @@ impl<'a> Bench<'a> {
     async fn reset(&self) -> anyhow::Result<()> {
         self.remove().await?;
         migrate::run::<Points>(&self.pool, Some(&self.schema)).await?;
+        self.pool
+            .get()
+            .await?
+            .batch_execute(contender::CREATE_TABLE)
+            .await?;
         let connection = connect(&self.config.amqp, "idem bench").await?;
         self.topology.declare(&connection).await?;
         let channel = connection.create_channel().await?;
@@ -623,9 +679,37 @@ impl<'a> Bench<'a> {
     }
 
     fn common_args(&self) -> Vec<String> {
-        let mut args = vec!["--prefetch".into(), self.config.prefetch.to_string()];
+        let mut args = vec![
+            "worker".into(),
+            "--prefetch".into(),
+            self.config.prefetch.to_string(),
+        ];
         if let Some(records) = self.config.epoch_records {
             args.extend(["--epoch-records".into(), records.to_string()]);
+        }
+        args
+    }
+
+    /// A contender with the settings of the mode it stands beside.
+    fn contender_args(&self, contender: Contender) -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "contender".into(),
+            contender.as_arg().into(),
+            "--prefetch".into(),
+            self.config.prefetch.to_string(),
+        ];
+        match contender {
+            Contender::Textbook => args.extend([
+                "--in-flight".into(),
+                self.config.per_message_in_flight.to_string(),
+            ]),
+            // The straightforward consumer's own settings, whatever idem's.
+            Contender::Batched => args.extend([
+                "--batch-size".into(),
+                "100".into(),
+                "--batch-wait".into(),
+                "5ms".into(),
+            ]),
         }
         args
     }
@@ -779,6 +863,7 @@ impl<'a> Bench<'a> {
         run: Run,
     ) -> anyhow::Result<Measurement> {
         let Run {
+            records: table,
             floor,
             outbox,
             removal,
@@ -800,7 +885,6 @@ impl<'a> Bench<'a> {
             .env(vars::SCHEMA, &self.schema)
             .envs(vars::topology(&self.topology))
             .env("RUST_LOG", "error")
-            .arg("worker")
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -829,7 +913,7 @@ impl<'a> Bench<'a> {
             if ready == 0 {
                 recorded = client
                     .query_one(
-                        "SELECT count(*) FROM mq_consume_record WHERE id > $1",
+                        &format!("SELECT count(*) FROM {table} WHERE id > $1"),
                         &[&floor],
                     )
                     .await?
@@ -881,14 +965,16 @@ impl<'a> Bench<'a> {
         // With the outbox, until the last message was sent.
         let span: f64 = client
             .query_one(
-                "SELECT extract(epoch FROM greatest(max(consumed_at), \
-                     (SELECT max(sent_at) FROM mq_outbox)) - min(consumed_at))::float8 \
-                 FROM mq_consume_record WHERE id > $1",
+                &format!(
+                    "SELECT extract(epoch FROM greatest(max(consumed_at), \
+                         (SELECT max(sent_at) FROM mq_outbox)) - min(consumed_at))::float8 \
+                     FROM {table} WHERE id > $1"
+                ),
                 &[&floor],
             )
             .await?
             .try_get(0)?;
-        self.verify(load, floor).await?;
+        self.verify(load, table, floor).await?;
         if outbox {
             let sent: i64 = client
                 .query_one(
@@ -931,7 +1017,12 @@ impl<'a> Bench<'a> {
 
     /// Every order at its exact total, one record per distinct event (above
     /// `floor`, the prefilled ones), nothing dead-lettered.
-    async fn verify(&self, load: &[PaymentSucceeded], floor: i64) -> anyhow::Result<()> {
+    async fn verify(
+        &self,
+        load: &[PaymentSucceeded],
+        table: &str,
+        floor: i64,
+    ) -> anyhow::Result<()> {
         let client = self.pool.get().await?;
         let points: BTreeMap<String, i64> = client
             .query("SELECT order_id, points FROM user_points", &[])
@@ -946,7 +1037,9 @@ impl<'a> Bench<'a> {
         let (records, events): (i64, i64) = {
             let row = client
                 .query_one(
-                    "SELECT count(*), count(DISTINCT event_id) FROM mq_consume_record WHERE id > $1",
+                    &format!(
+                        "SELECT count(*), count(DISTINCT event_id) FROM {table} WHERE id > $1"
+                    ),
                     &[&floor],
                 )
                 .await?;
@@ -1311,7 +1404,7 @@ impl fmt::Display for BenchReport {
         let ceiling = rates(CEILING);
         writeln!(
             f,
-            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
+            "{:<42} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
             "mode (medians of the rounds)",
             "msgs/s",
             "× ceiling",
@@ -1319,13 +1412,25 @@ impl fmt::Display for BenchReport {
             "worker peak",
             "PostgreSQL",
             "RabbitMQ",
+            "all CPU",
+            "cores",
             "WAL",
             "WAL full"
         )?;
         writeln!(
             f,
-            "{:<38} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
-            "", "", "", "µs/msg", "RSS MiB", "CPU µs/msg", "CPU µs/msg", "B/msg", "pages/msg"
+            "{:<42} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
+            "",
+            "",
+            "",
+            "µs/msg",
+            "RSS MiB",
+            "CPU µs/msg",
+            "CPU µs/msg",
+            "µs/msg",
+            "busy",
+            "B/msg",
+            "pages/msg"
         )?;
         for (mode, runs) in &self.rounds {
             let mode = mode.as_str();
@@ -1338,7 +1443,7 @@ impl fmt::Display for BenchReport {
             };
             writeln!(
                 f,
-                "{:<38} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13} {:>10} {:>10}",
+                "{:<42} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
                 label(mode),
                 rate,
                 show(of_ceiling, 2),
@@ -1346,6 +1451,8 @@ impl fmt::Display for BenchReport {
                 show(median_of(|m| m.peak_rss_mib), 1),
                 show(median_of(|m| m.postgres_us_per_message), 1),
                 show(median_of(|m| m.rabbitmq_us_per_message), 1),
+                show(median_of(Measurement::all_cpu_us_per_message), 1),
+                show(median_of(Measurement::cores_busy), 2),
                 show(median_of(|m| m.wal_bytes_per_message), 0),
                 show(median_of(|m| m.wal_fpi_per_message), 3),
             )?;
@@ -1356,12 +1463,40 @@ impl fmt::Display for BenchReport {
         if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
             writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
         }
+        let all_cpu = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
+                .map(|runs| {
+                    runs.iter()
+                        .filter_map(Measurement::all_cpu_us_per_message)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for (idem, contender) in [(PER_MESSAGE, TEXTBOOK), (BATCH, BATCHED)] {
+            if let Some(throughput) = ratio(&rates(idem), &rates(contender)) {
+                let against = label(contender)
+                    .split_once(", ")
+                    .map_or(contender, |(_, c)| c);
+                write!(
+                    f,
+                    "{} / {against}: throughput {throughput:.2} ×",
+                    label(idem)
+                )?;
+                if let Some(cpu) = ratio(&all_cpu(idem), &all_cpu(contender)) {
+                    write!(f, ", all-process CPU per message {cpu:.2} ×")?;
+                }
+                writeln!(f)?;
+            }
+        }
         for (mode, _) in &self.rounds {
             if let Some(times) = mode
                 .strip_suffix(REMOVING)
                 .and_then(|without| ratio(&rates(mode), &rates(without)))
             {
                 writeln!(f, "{} / without: {times:.2} ×", label(mode))?;
+                continue;
+            }
+            if [TEXTBOOK, BATCHED].contains(&mode.as_str()) {
                 continue;
             }
             for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {

@@ -5,6 +5,8 @@
 #[cfg(feature = "tools")]
 pub mod bench;
 #[cfg(feature = "tools")]
+pub mod contender;
+#[cfg(feature = "tools")]
 pub mod demo;
 #[cfg(feature = "tools")]
 pub mod lab;

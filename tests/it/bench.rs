@@ -65,5 +65,51 @@ async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -
         "{stdout}"
     );
     assert!(stdout.contains("batch, outbox on / off: "), "{stdout}");
+    // Beside it, on the same load and checked the same way, the batched
+    // consumer a team would write instead.
+    assert!(
+        stdout
+            .lines()
+            .any(|line| line.starts_with("batch, straightforward batched consumer ")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("batch / straightforward batched consumer: throughput "),
+        "{stdout}"
+    );
+    Ok(())
+}
+
+/// Per-message mode beside the textbook consumer: both runs checked (exact
+/// totals, a record per event), and their ratio reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_runs_the_textbook_consumer_beside_per_message_mode() -> anyhow::Result<()> {
+    let bench = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .env(vars::AMQP_URL, amqp_url())
+        .env(vars::DATABASE_URL, database_url())
+        .args(["bench", "--messages", "1000", "--rounds", "1"])
+        .args(["--modes", "per-message"])
+        .output();
+    let output = tokio::time::timeout(patient(Duration::from_secs(120)), bench)
+        .await
+        .context("the bench did not finish")??;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    let row = stdout
+        .lines()
+        .find(|line| line.starts_with("per-message, textbook consumer "))
+        .with_context(|| format!("no row for the textbook consumer: {stdout}"))?;
+    let rate: f64 = row
+        .trim_start_matches("per-message, textbook consumer")
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .parse()
+        .with_context(|| row.to_owned())?;
+    assert!(rate > 0.0, "{row}");
+    assert!(
+        stdout.contains("per-message / textbook consumer: throughput "),
+        "{stdout}"
+    );
     Ok(())
 }

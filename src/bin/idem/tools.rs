@@ -13,6 +13,7 @@ use idem::cli::{
     WorkerStart, choice,
 };
 use idem::commands::bench::{self, BenchConfig};
+use idem::commands::contender::{self, Contender, ContenderConfig};
 use idem::commands::lab::{LabConfig, Strategy};
 use idem::commands::publish::{PublishConfig, Source};
 use idem::commands::{demo, lab, publish};
@@ -34,6 +35,11 @@ pub(crate) enum Tools {
     /// Run the deduplication strategies a team might choose side by side,
     /// under the same faults, and show what each does to the effect.
     Lab(LabArgs),
+    /// What `bench` measures idem against: the consumer a team writes
+    /// instead (`textbook`, a transaction per message; `batched`, one per
+    /// batch), until SIGTERM.
+    #[command(hide = true)]
+    Contender(ContenderArgs),
 }
 
 impl Commands<Points> for Tools {
@@ -41,7 +47,7 @@ impl Commands<Points> for Tools {
         match self {
             Tools::Publish(_) => idem::cli::DEFAULT_LOG_FILTER,
             // Their reports are the output; the workers' lines are noise.
-            Tools::Demo(_) | Tools::Bench(_) | Tools::Lab(_) => {
+            Tools::Demo(_) | Tools::Bench(_) | Tools::Lab(_) | Tools::Contender(_) => {
                 "warn,lapin=off,tokio_postgres=warn"
             }
         }
@@ -74,6 +80,10 @@ impl Commands<Points> for Tools {
             Tools::Lab(args) => {
                 let report = lab::run(&args.config()).await?;
                 println!("{report}");
+            }
+            Tools::Contender(args) => {
+                let (contender, config) = args.config();
+                contender::run(contender, &config, &shutdown).await?;
             }
         }
         Ok(ExitCode::SUCCESS)
@@ -166,6 +176,50 @@ pub(crate) struct DemoArgs {
     pub(crate) database: DatabaseArgs,
 }
 
+/// `contender`.
+#[derive(Debug, Args)]
+pub(crate) struct ContenderArgs {
+    /// Which consumer.
+    #[arg(value_parser = choice(&Contender::ALL, Contender::as_arg))]
+    pub(crate) contender: Contender,
+    /// The queue to consume.
+    #[arg(long, env = vars::QUEUE)]
+    pub(crate) queue: String,
+    /// The consumer's prefetch.
+    #[arg(long, default_value_t = 500)]
+    pub(crate) prefetch: u16,
+    /// Textbook: deliveries handled at once.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) in_flight: usize,
+    /// Batched: most deliveries per transaction.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) batch_size: usize,
+    /// Batched: how long a batch waits for more after its first delivery.
+    #[arg(long, default_value = "5ms")]
+    pub(crate) batch_wait: Wait,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+}
+
+impl ContenderArgs {
+    fn config(&self) -> (Contender, ContenderConfig) {
+        (
+            self.contender,
+            ContenderConfig {
+                amqp: self.amqp.config(),
+                database: self.database.config(self.in_flight),
+                queue: self.queue.clone(),
+                prefetch: self.prefetch,
+                in_flight: self.in_flight,
+                batch_size: self.batch_size,
+                batch_wait: self.batch_wait.0,
+            },
+        )
+    }
+}
+
 /// `bench`.
 #[derive(Debug, Args)]
 pub(crate) struct BenchArgs {
@@ -228,6 +282,11 @@ pub(crate) struct BenchArgs {
     /// relay in the worker), counted done once every message is sent too.
     #[arg(long)]
     pub(crate) outbox: bool,
+    /// Leave out the consumers a team would write instead, which run by
+    /// default beside per-message mode (the textbook transaction per
+    /// message) and batch mode (a transaction per 100 deliveries or 5 ms).
+    #[arg(long)]
+    pub(crate) no_contenders: bool,
     /// What to measure.
     #[arg(
         long,
@@ -426,6 +485,7 @@ impl BenchArgs {
             rounds: self.rounds.max(1),
             pgbench: self.pgbench,
             outbox: self.outbox,
+            contenders: !self.no_contenders,
             modes: self.modes.clone(),
             worker_binary,
             baseline_binary: self.baseline.clone(),
