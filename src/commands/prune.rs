@@ -45,7 +45,7 @@ impl PruneSettings {
 
     /// The length of an epoch: `given`, or half the window. Each epoch a
     /// claim looks into costs it a lookup per event, which costs more than
-    /// a larger current epoch saves (docs/performance.md): about three
+    /// a larger current epoch saves (docs/guide/performance.md): about three
     /// epochs live at a time, and records stay for one and a half windows
     /// at most.
     pub fn epoch_length(window: Duration, given: Option<Duration>) -> Duration {

@@ -21,7 +21,7 @@ use super::StoreError;
 /// one event in 28,000 it was not built with (measured: 0.0036 %; 0.017 %
 /// with 24 bits, 0.13 % with 16), and a claim looks that one up for
 /// nothing: a random read of an index and of a heap that are seldom in
-/// memory, which is what sets this (docs/performance.md).
+/// memory, which is what sets this (docs/guide/performance.md).
 pub const BITS_PER_RECORD: usize = 32;
 
 /// Key of the advisory lock that lets one worker at a time build an

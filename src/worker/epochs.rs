@@ -30,7 +30,7 @@ pub struct EpochSettings {
 impl EpochSettings {
     /// Records an epoch takes unless said otherwise: its digest index, 30
     /// to 37 MB a million records, then stays near PostgreSQL's default
-    /// `shared_buffers` (128 MB) (docs/performance.md).
+    /// `shared_buffers` (128 MB) (docs/guide/performance.md).
     pub const DEFAULT_MAX_RECORDS: u64 = 4_000_000;
     /// Filters held unless said otherwise: 4 bytes a record, so about
     /// 130 million records of closed epochs.

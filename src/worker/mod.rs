@@ -77,7 +77,7 @@ impl Mode {
     }
 
     /// Defaults measured with `idem bench` on a 2-core host
-    /// (`docs/performance.md`). Batch mode keeps the prefetch above what its batches
+    /// (`docs/guide/performance.md`). Batch mode keeps the prefetch above what its batches
     /// hold in flight (3 × 200) plus the one filling, so that the broker is
     /// never short of credit while a commit is under way.
     pub fn tuning(self) -> Tuning {

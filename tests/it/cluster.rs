@@ -7,7 +7,7 @@
 //! again without a restart, and `publish` exits 0.
 //!
 //! They need a cluster that they may kill nodes of: `rabbit-cluster up DIR`
-//! (see docs/development.md), then
+//! (see docs/guide/development.md), then
 //! `IDEM_TEST_CLUSTER=DIR cargo test --test it -- --ignored cluster::`.
 //! `IDEM_TEST_CLUSTER_TOOL` is the `rabbit-cluster` script, if it is not on
 //! the PATH. Each prints how long its failover took.
@@ -438,20 +438,20 @@ async fn a_node_lost_under_load(fault: Fault) -> anyhow::Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/development.md"]
+#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/guide/development.md"]
 async fn killing_the_work_queue_leader_under_load_loses_and_doubles_nothing() -> anyhow::Result<()>
 {
     a_node_lost_under_load(Fault::KillWorkQueueLeader).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/development.md"]
+#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/guide/development.md"]
 async fn stopping_a_follower_under_load_loses_and_doubles_nothing() -> anyhow::Result<()> {
     a_node_lost_under_load(Fault::StopFollower).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/development.md"]
+#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/guide/development.md"]
 async fn stopping_the_dead_letter_queues_node_under_load_loses_and_doubles_nothing()
 -> anyhow::Result<()> {
     a_node_lost_under_load(Fault::StopDeadLetterQueueLeader).await

@@ -28,6 +28,7 @@ mod binary;
 mod cluster;
 mod dead_letters;
 mod definitions;
+mod docs;
 mod faults;
 mod handlers;
 mod helpers;
