@@ -86,6 +86,23 @@ fn text(value: &AMQPValue) -> Option<String> {
     }
 }
 
+/// True when a delivery may follow an earlier attempt at its message, one
+/// that could have left a row in the failure ledger: the broker delivered
+/// it before, it comes back from a wait queue (idem's route headers, the
+/// broker's `x-death`), or it was replayed. A message's first delivery, as
+/// its producer published it, bears none of these.
+pub fn may_follow_an_attempt(redelivered: bool, headers: Option<&FieldTable>) -> bool {
+    redelivered
+        || headers.is_some_and(|headers| {
+            headers.inner().keys().any(|key| {
+                matches!(
+                    key.as_str(),
+                    "x-death" | "x-delivery-count" | EXCHANGE_HEADER | REPLAY_HEADER
+                )
+            })
+        })
+}
+
 /// The headers of a copy sent to wait: the original ones without those the
 /// broker owns, and the route the message was first published with, unless
 /// an earlier wait recorded it already.
@@ -249,5 +266,19 @@ mod tests {
         assert_eq!(names, vec!["trace-id", REPLAY_HEADER]);
         assert_eq!(replays(Some(&first)), 1);
         assert_eq!(replays(Some(&replay_headers(Some(&first)))), 2);
+    }
+
+    #[test]
+    fn only_a_first_delivery_as_published_follows_no_attempt() {
+        let mut published = FieldTable::default();
+        published.insert("trace-id".into(), AMQPValue::LongString("abc".into()));
+        assert!(!may_follow_an_attempt(false, None));
+        assert!(!may_follow_an_attempt(false, Some(&published)));
+        assert!(may_follow_an_attempt(true, Some(&published)));
+        let waited = wait_headers(Some(&published), "payments", "payment.succeeded");
+        assert!(may_follow_an_attempt(false, Some(&waited)));
+        assert!(may_follow_an_attempt(false, Some(&dead_lettered_headers())));
+        let replayed = replay_headers(Some(&published));
+        assert!(may_follow_an_attempt(false, Some(&replayed)));
     }
 }

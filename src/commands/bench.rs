@@ -1140,7 +1140,8 @@ fn unfiltered(statement: &str) -> String {
 /// statement for the points tally with one event.
 fn pgbench_script() -> String {
     let tally = Points.tally().unwrap_or(points::POINTS);
-    let statement = crate::store::claim_and_tally_statement(&tally)
+    // As the worker runs it for first deliveries: no ledger clear.
+    let statement = crate::store::claim_and_tally_statement(&tally, false)
         .replace("$1::varchar[]", PGBENCH_EVENT_IDS)
         .replace("$3::uuid[]", PGBENCH_DIGESTS)
         .replace("$2", PGBENCH_GROUP)
@@ -1502,7 +1503,12 @@ impl fmt::Display for BenchReport {
             for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {
                 if let Some(times) = mode
                     .strip_prefix(plain)
-                    .filter(|rest| !rest.is_empty())
+                    // A prefilled run of that build, not another build.
+                    .filter(|rest| {
+                        rest.strip_prefix(", ")
+                            .and_then(|rest| rest.strip_suffix(" records before"))
+                            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                    })
                     .and_then(|_| ratio(&rates(mode), &rates(plain)))
                 {
                     writeln!(f, "{} / on an empty table: {times:.2} ×", label(mode))?;

@@ -72,11 +72,11 @@ pub struct Applier<H: Handler> {
     store: Store,
     handler: Arc<H>,
     /// The handler's tally and the one statement that claims and applies
-    /// it, when the handler has one.
-    tally: Option<(Tally<H::Event>, String)>,
-    /// The same statement writing the outbox rows of the events too, when
+    /// it, when the handler has one: `[without, with]` the ledger clear.
+    tally: Option<(Tally<H::Event>, [String; 2])>,
+    /// The same statements writing the outbox rows of the events too, when
     /// the handler has a tally and sends messages.
-    tally_and_send: Option<String>,
+    tally_and_send: Option<[String; 2]>,
     /// The claim of the general path.
     claim: String,
     /// The general path's outbox rows, when the handler sends messages.
@@ -107,14 +107,18 @@ impl<H: Handler> Applier<H> {
                         });
                     }
                 }
-                Some((tally, claim::claim_and_tally_statement(&tally)))
+                let statements =
+                    [false, true].map(|clear| claim::claim_and_tally_statement(&tally, clear));
+                Some((tally, statements))
             }
             None => None,
         };
         let tally_and_send = tally
             .as_ref()
             .filter(|_| H::SENDS_MESSAGES)
-            .map(|(tally, _)| claim::claim_tally_and_send_statement(tally));
+            .map(|(tally, _)| {
+                [false, true].map(|clear| claim::claim_tally_and_send_statement(tally, clear))
+            });
         Ok(Self {
             store,
             handler,
@@ -145,7 +149,28 @@ impl<H: Handler> Applier<H> {
     /// events that went in send ([`Handler::outgoing`]) are written to the
     /// outbox in the same transaction.
     pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
-        caught::future(self.attempt(events))
+        self.apply_clearing(events, true).await
+    }
+
+    /// [`Applier::apply`] for events none of whose deliveries may follow an
+    /// earlier attempt ([`crate::broker::death::may_follow_an_attempt`]):
+    /// only a failed attempt writes the failure ledger, so a handler with a
+    /// tally does not look there. A row left by another copy of an event,
+    /// one that failed while this one was applied, is ignored once the
+    /// event is recorded, and pruned with the records.
+    pub async fn apply_first_deliveries<'e>(
+        &self,
+        events: &[&'e H::Event],
+    ) -> Result<Claimed<'e>, Failure> {
+        self.apply_clearing(events, false).await
+    }
+
+    async fn apply_clearing<'e>(
+        &self,
+        events: &[&'e H::Event],
+        clear_ledger: bool,
+    ) -> Result<Claimed<'e>, Failure> {
+        caught::future(self.attempt(events, clear_ledger))
             .await
             .unwrap_or_else(|panic| {
                 Err(Failure {
@@ -155,7 +180,11 @@ impl<H: Handler> Applier<H> {
             })
     }
 
-    async fn attempt<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
+    async fn attempt<'e>(
+        &self,
+        events: &[&'e H::Event],
+        clear_ledger: bool,
+    ) -> Result<Claimed<'e>, Failure> {
         let handler = &*self.handler;
         // Stable: of two copies, the one delivered first wins.
         let mut distinct: Vec<&'e H::Event> = events.to_vec();
@@ -177,7 +206,8 @@ impl<H: Handler> Applier<H> {
         ];
         let database = |error| self.database_failure(&error);
 
-        if let Some((tally, statement)) = &self.tally {
+        if let Some((tally, statements)) = &self.tally {
+            let statement = &statements[usize::from(clear_ledger)];
             let (keys, amounts) = tally.entries(&distinct);
             // Only the rows of events that go in are written: the statement
             // joins them to its claim.
@@ -188,7 +218,7 @@ impl<H: Handler> Applier<H> {
             let statement = match &self.tally_and_send {
                 Some(sending) if !sent.is_empty() => {
                     params.extend(sent.params());
-                    sending
+                    &sending[usize::from(clear_ledger)]
                 }
                 _ => statement,
             };
@@ -226,6 +256,7 @@ impl<H: Handler> Applier<H> {
         }
         // Also proves the transaction alive: a handler that swallowed an
         // error left it aborted, and COMMIT would roll back without a word.
+        // (So the general path clears the ledger whatever the deliveries.)
         ledger::reset(&tx, &ids, group).await.map_err(database)?;
         tx.commit().await.map_err(database)?;
         Ok(claimed)

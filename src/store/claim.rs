@@ -70,31 +70,40 @@ pub(super) fn claim_statement() -> String {
     format!("WITH {CLAIMED} SELECT event_id FROM claimed")
 }
 
-/// Claim, ledger clear and a [`Tally`]'s effect as one statement: a
-/// statement is a transaction of its own, so this is one round trip and one
-/// commit per batch. `$1`…`$7` as for the claim (event ids, distinct, the
-/// consumer group, their [`digest`]s, what the filters said), `$8` the
-/// tally's keys and `$9` its amounts, index for index with `$1`;
-/// yields the event ids that went in. The tally's names must be plain
-/// identifiers (checked when the statement is built for a worker). Public
-/// for tools that measure it (`idem bench --pgbench`).
-pub fn claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
-    claim_tally_then(tally, "")
+/// Claim, ledger clear (with `clear_ledger`) and a [`Tally`]'s effect as
+/// one statement: a statement is a transaction of its own, so this is one
+/// round trip and one commit per batch. `$1`…`$7` as for the claim (event
+/// ids, distinct, the consumer group, their [`digest`]s, what the filters
+/// said), `$8` the tally's keys and `$9` its amounts, index for index with
+/// `$1`; yields the event ids that went in. The tally's names must be
+/// plain identifiers (checked when the statement is built for a worker).
+/// Public for tools that measure it (`idem bench --pgbench`).
+pub fn claim_and_tally_statement<E>(tally: &Tally<E>, clear_ledger: bool) -> String {
+    claim_tally_then(tally, clear_ledger, "")
 }
 
 /// [`claim_and_tally_statement`], and the outbox rows of the events that
 /// went in: `$10`…`$16` as [`super::outbox::Rows`].
-pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>) -> String {
-    claim_tally_then(tally, &format!("{}, ", super::outbox::sent_step(10)))
+pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>, clear_ledger: bool) -> String {
+    claim_tally_then(
+        tally,
+        clear_ledger,
+        &format!("{}, ", super::outbox::sent_step(10)),
+    )
 }
 
 /// The claim and tally statement with `steps` (each ending in `, `) added.
-fn claim_tally_then<E>(tally: &Tally<E>, steps: &str) -> String {
+fn claim_tally_then<E>(tally: &Tally<E>, clear_ledger: bool, steps: &str) -> String {
     let Tally {
         table, key, amount, ..
     } = tally;
+    let cleared = if clear_ledger {
+        format!("{}, ", ledger::CLEARED)
+    } else {
+        String::new()
+    };
     format!(
-        "WITH {CLAIMED}, {cleared}, {steps}\
+        "WITH {CLAIMED}, {cleared}{steps}\
          tallied AS (\
             INSERT INTO {table} ({key}, {amount}) \
             SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
@@ -104,7 +113,6 @@ fn claim_tally_then<E>(tally: &Tally<E>, steps: &str) -> String {
             GROUP BY batch.tally_key ORDER BY batch.tally_key \
             {upsert}) \
          SELECT event_id FROM claimed",
-        cleared = ledger::CLEARED,
         upsert = upsert(tally),
     )
 }

@@ -37,9 +37,13 @@ pub(super) const CLEARED: &str = "\
         DELETE FROM mq_failure_ledger \
         WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]))";
 
+/// A row of an event recorded since is left by a copy that failed while
+/// another was applied: that event is applied, not out of attempts.
 const EXHAUSTED: &str = "\
     SELECT event_id FROM mq_failure_ledger \
-    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]) AND failures >= $3";
+    WHERE consumer_group = $2 AND event_id = ANY($1::varchar[]) AND failures >= $3 \
+      AND event_id NOT IN (\
+          SELECT recorded.event_id FROM mq_recorded($1::varchar[], $2::varchar) AS recorded)";
 
 const ENTRIES: &str = "\
     SELECT event_id, failures, first_failed_at, last_failed_at, last_error \

@@ -596,7 +596,12 @@ impl Store {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
-                "SELECT count(*) FROM mq_failure_ledger WHERE consumer_group = $1",
+                // Not the rows of events recorded since (see `ledger::EXHAUSTED`).
+                "SELECT count(*) FROM mq_failure_ledger \
+                 WHERE consumer_group = $1 AND event_id NOT IN (\
+                     SELECT recorded.event_id FROM mq_recorded(\
+                         ARRAY(SELECT event_id FROM mq_failure_ledger WHERE consumer_group = $1), \
+                         $1) AS recorded)",
                 &[&self.consumer_group],
             )
             .await?;

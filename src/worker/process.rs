@@ -21,6 +21,7 @@ use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
 use crate::broker::Topology;
+use crate::broker::death::may_follow_an_attempt;
 use crate::caught;
 use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
 use crate::store::{Applier, Failure, Store};
@@ -156,9 +157,26 @@ impl<H: Handler> Processor<H> {
             return;
         }
         let events: Vec<&H::Event> = items.iter().map(|item| &item.event).collect();
+        // Only a failed attempt writes the ledger: first deliveries have
+        // nothing there to clear.
+        let first_deliveries = !items.iter().any(|item| {
+            may_follow_an_attempt(
+                item.delivery.redelivered,
+                item.delivery.properties.headers().as_ref(),
+            )
+        });
         let started = std::time::Instant::now();
         let outcome = self
-            .until_database_answers(|| self.applier.apply(&events), is_infrastructure)
+            .until_database_answers(
+                || async {
+                    if first_deliveries {
+                        self.applier.apply_first_deliveries(&events).await
+                    } else {
+                        self.applier.apply(&events).await
+                    }
+                },
+                is_infrastructure,
+            )
             .await;
         self.stats.transaction(events.len(), started.elapsed());
         let outcome = outcome.map(|mut claimed| {

@@ -330,3 +330,51 @@ in_both_modes!(
     a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempts_spaced_as_configured,
     killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothing_twice,
 );
+
+/// A copy applied as a first delivery does not look in the failure ledger;
+/// a row another copy of its event left there (it failed while this one
+/// went in) is then neither a spent budget nor a failing event, and a copy
+/// that follows an attempt clears it, duplicate or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_row_of_an_event_applied_since_is_neither_failing_nor_spent() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    let store = idem::store::Store::new(env.pool.clone(), GROUP);
+    let applier = idem::store::Applier::new(store.clone(), Arc::new(Points))?;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-e", env.name),
+        order_id: "o".into(),
+        points: 5,
+    };
+    let id = event.event_id.as_str();
+    let rows = || async {
+        let row = env
+            .pool
+            .get()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM mq_failure_ledger WHERE event_id = $1",
+                &[&id],
+            )
+            .await?;
+        anyhow::Ok(row.try_get::<_, i64>(0)?)
+    };
+    for _ in 0..3 {
+        store.record_failure(id, "deadlock detected").await?;
+    }
+    assert_eq!(store.exhausted(&[id], 3).await?, vec![id.to_owned()]);
+    assert_eq!(store.failing().await?, 1);
+
+    assert!(applier.apply_first_deliveries(&[&event]).await?.take(id));
+    assert_eq!(rows().await?, 1, "a first delivery leaves the ledger alone");
+    assert!(
+        store.exhausted(&[id], 3).await?.is_empty(),
+        "an applied event is not out of attempts: its copies are duplicates"
+    );
+    assert_eq!(store.failing().await?, 0, "nor is it failing");
+
+    assert!(!applier.apply(&[&event]).await?.take(id), "a duplicate");
+    assert_eq!(rows().await?, 0, "a copy that follows an attempt clears it");
+    assert_eq!(env.points("o").await?, 5);
+    Ok(())
+}
