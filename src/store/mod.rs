@@ -271,7 +271,8 @@ pub enum ReadyError {
     NotMigrated {
         /// The database.
         server: String,
-        /// Where the tables were looked for, as [`where_tables_are`] says it.
+        /// Where the tables were looked for: the schema, and the search path when
+        /// it names more than that one.
         search_path: String,
         /// Whose migrations: `idem`, or `handler <name>`.
         history: String,
