@@ -83,19 +83,29 @@ fn left_behind() -> String {
 pub async fn clean(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<String> {
     let topology = points::topology().prefixed(PREFIX);
     let credits = Credits::of(&topology);
-    let pool = database.pool()?;
-    let client = pool.get().await.context("cannot reach PostgreSQL")?;
-    let connection = connect(&amqp, "idem demo").await?;
-    client
-        .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-        .await
-        .context("cannot drop the demo schema")?;
+    let connection = drop_schema_once_both_answer(&database, &amqp).await?;
     delete_topology(&connection, &topology).await?;
     credits.delete(&connection).await?;
     close(&connection).await;
     Ok(format!(
         "removed schema {SCHEMA} and the queues and exchanges named {PREFIX}*"
     ))
+}
+
+/// Drops the demo's schema once both services answer (nothing of either is
+/// changed before), and returns the broker connection.
+async fn drop_schema_once_both_answer(
+    database: &DatabaseConfig,
+    amqp: &AmqpConfig,
+) -> anyhow::Result<lapin::Connection> {
+    let pool = database.pool()?;
+    let client = pool.get().await.context("cannot reach PostgreSQL")?;
+    let connection = connect(amqp, "idem demo").await?;
+    client
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
+        .await
+        .context("cannot drop the demo schema")?;
+    Ok(connection)
 }
 
 /// Runs the demo against `amqp` and `database` (whose schema is replaced by
@@ -116,14 +126,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         )
     };
     let pool = config.database.pool()?;
-    // Both services answer before anything of theirs is changed.
-    let client = pool.get().await.context("cannot reach PostgreSQL")?;
-    let connection = connect(&amqp, "idem demo").await?;
-    client
-        .batch_execute(&format!("DROP SCHEMA IF EXISTS {SCHEMA} CASCADE"))
-        .await
-        .context("cannot reset the demo schema")?;
-    drop(client);
+    let connection = drop_schema_once_both_answer(&config.database, &amqp).await?;
     migrate::run::<Points>(&pool, Some(SCHEMA))
         .await
         .context("migrating the demo schema")?;

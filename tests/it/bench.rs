@@ -11,28 +11,38 @@ use idem::vars;
 
 use crate::helpers::{amqp_url, database_url, patient};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -> anyhow::Result<()>
-{
+/// `idem bench` with `args`: what it printed, once it succeeded (it checks
+/// every run it makes, and fails otherwise).
+async fn bench(args: &[&str]) -> anyhow::Result<String> {
     let bench = Command::new(env!("CARGO_BIN_EXE_idem"))
         .env(vars::AMQP_URL, amqp_url())
         .env(vars::DATABASE_URL, database_url())
-        .args([
-            "bench",
-            "--messages",
-            "2000",
-            "--rounds",
-            "1",
-            "--modes",
-            "batch",
-        ])
-        .args(["--uuid-ids", "--prefill", "0,5000", "--outbox"])
+        .arg("bench")
+        .args(args)
         .output();
     let output = tokio::time::timeout(patient(Duration::from_secs(120)), bench)
         .await
         .context("the bench did not finish")??;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{output:?}");
+    anyhow::ensure!(output.status.success(), "{output:?}");
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -> anyhow::Result<()>
+{
+    let stdout = bench(&[
+        "--messages",
+        "2000",
+        "--rounds",
+        "1",
+        "--modes",
+        "batch",
+        "--uuid-ids",
+        "--prefill",
+        "0,5000",
+        "--outbox",
+    ])
+    .await?;
     // The bench checks every run (exact totals, one record per event of
     // the load) and fails otherwise: its own records must be told apart
     // from the 5,000 that were there before.
@@ -84,17 +94,15 @@ async fn bench_over_prefilled_records_checks_its_own_run_and_reports_its_wal() -
 /// totals, a record per event), and their ratio reported.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_runs_the_textbook_consumer_beside_per_message_mode() -> anyhow::Result<()> {
-    let bench = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .env(vars::AMQP_URL, amqp_url())
-        .env(vars::DATABASE_URL, database_url())
-        .args(["bench", "--messages", "1000", "--rounds", "1"])
-        .args(["--modes", "per-message"])
-        .output();
-    let output = tokio::time::timeout(patient(Duration::from_secs(120)), bench)
-        .await
-        .context("the bench did not finish")??;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "{output:?}");
+    let stdout = bench(&[
+        "--messages",
+        "1000",
+        "--rounds",
+        "1",
+        "--modes",
+        "per-message",
+    ])
+    .await?;
     let row = stdout
         .lines()
         .find(|line| line.starts_with("per-message, textbook consumer "))
