@@ -1166,14 +1166,23 @@ pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio:
 
 /// Runs `idem worker` as `command` says, and asserts that it exits 1 at
 /// once, without retrying, with one line on stderr; returns that line.
-pub async fn worker_exits_at_once(mut command: tokio::process::Command) -> anyhow::Result<String> {
+pub async fn worker_exits_at_once(command: tokio::process::Command) -> anyhow::Result<String> {
+    worker_exits_at_once_with(command, 1).await
+}
+
+/// [`worker_exits_at_once`], with exit code `code` (2 for settings that
+/// can never work, as for clap's usage errors).
+pub async fn worker_exits_at_once_with(
+    mut command: tokio::process::Command,
+    code: i32,
+) -> anyhow::Result<String> {
     command.arg("worker");
     let started = std::time::Instant::now();
     let output = tokio::time::timeout(patient(Duration::from_secs(60)), command.output())
         .await
         .context("the worker did not exit")??;
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(output.status.code(), Some(code), "{stderr}");
     assert!(
         started.elapsed() < patient(Duration::from_secs(10)),
         "it retried: {stderr}"

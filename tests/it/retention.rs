@@ -15,7 +15,7 @@ use idem::worker::{EpochSettings, Mode, WorkerConfig};
 
 use crate::helpers::{
     GROUP, RunningWorker, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url,
-    idem_command, publish_messages, sample, wait_for, worker_exits_at_once,
+    idem_command, publish_messages, sample, wait_for,
 };
 
 const RACERS: usize = 4;
@@ -612,7 +612,7 @@ async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_sh
     let env = TestEnv::new().await?;
     let mut command = idem_command(&env, &amqp_url(), &database_url());
     command.env(idem::vars::RETENTION, "1d");
-    let line = worker_exits_at_once(command).await?;
+    let line = crate::helpers::worker_exits_at_once_with(command, 2).await?;
     assert!(
         line.contains("--retention: a window of 1d is shorter than --min-retention (7d)"),
         "{line}"
