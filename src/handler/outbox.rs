@@ -80,15 +80,21 @@ pub struct Outbox<'e> {
 impl<'e> Outbox<'e> {
     /// An outbox for the events `ids` (sorted, distinct), holding the
     /// messages `outgoing` gives each; closed (every send refused) unless
-    /// `open`.
+    /// `open`. A closed one keeps no events: it never needs them, and the
+    /// transactions of a handler that sends nothing copy nothing.
     pub(crate) fn new(
         open: bool,
-        ids: Vec<&'e str>,
+        ids: &[&'e str],
         mut outgoing: impl FnMut(usize) -> Vec<OutboxMessage>,
     ) -> Self {
+        let events = if open {
+            ids.iter().map(|id| (*id, 0)).collect()
+        } else {
+            Vec::new()
+        };
         let mut outbox = Self {
             open,
-            events: ids.into_iter().map(|id| (id, 0)).collect(),
+            events,
             messages: Vec::new(),
         };
         if open {
@@ -177,7 +183,7 @@ mod tests {
 
     #[test]
     fn apply_s_messages_follow_outgoing_s_event_by_event() -> Result<(), HandlerError> {
-        let mut outbox = Outbox::new(true, vec!["a", "b"], |place| {
+        let mut outbox = Outbox::new(true, &["a", "b"], |place| {
             vec![message(["a0", "b0"][place])]
         });
         outbox.send("b", message("b1"))?;
@@ -200,13 +206,13 @@ mod tests {
 
     #[test]
     fn a_send_for_another_event_or_from_a_handler_that_sends_nothing_is_permanent() {
-        let mut outbox = Outbox::new(true, vec!["a"], |_| Vec::new());
+        let mut outbox = Outbox::new(true, &["a"], |_| Vec::new());
         let stranger = outbox.send("z", message("z0"));
         assert!(
             matches!(stranger, Err(HandlerError::Permanent(_))),
             "{stranger:?}"
         );
-        let mut closed = Outbox::new(false, vec!["a"], |_| vec![message("never asked")]);
+        let mut closed = Outbox::new(false, &["a"], |_| vec![message("never asked")]);
         assert!(closed.is_empty(), "a closed outbox does not ask outgoing");
         let refused = closed.send("a", message("a0"));
         assert!(

@@ -311,7 +311,7 @@ pub async fn apply_tally<E: Sync>(
 /// The outbox of `events` (sorted, distinct; `ids` theirs), seeded with what
 /// the handler's [`Handler::outgoing`] returns for each.
 fn outbox_of<'e, H: Handler>(handler: &H, ids: &[&'e str], events: &[&H::Event]) -> Outbox<'e> {
-    Outbox::new(H::SENDS_MESSAGES, ids.to_vec(), |place| {
+    Outbox::new(H::SENDS_MESSAGES, ids, |place| {
         handler.outgoing(events[place])
     })
 }
