@@ -416,26 +416,18 @@ impl Bench<'_> {
                         Mode::PerMessage => (TEXTBOOK, bench.contender_args(Contender::Textbook)),
                         _ => (BATCHED, bench.contender_args(Contender::Batched)),
                     };
-                    bench.reset().await?;
-                    bench.publish(&bodies).await?;
-                    settle_down().await;
                     let run = Run {
                         records: contender::TABLE,
                         floor: 0,
                         outbox: false,
                         removal: None,
                     };
-                    let measured = bench
-                        .worker(&config.worker_binary, &args, &load, run)
-                        .await?;
+                    let measured = bench.run_afresh(&bodies, &load, &args, run).await?;
                     eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
                     report.push(key.to_owned(), measured);
                 }
             }
             if config.outbox && config.modes.contains(&Mode::Batch) {
-                bench.reset().await?;
-                bench.publish(&bodies).await?;
-                settle_down().await;
                 let mut args = bench.batch_args();
                 args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
                 let run = Run {
@@ -444,9 +436,7 @@ impl Bench<'_> {
                     outbox: true,
                     removal: None,
                 };
-                let measured = bench
-                    .worker(&config.worker_binary, &args, &load, run)
-                    .await?;
+                let measured = bench.run_afresh(&bodies, &load, &args, run).await?;
                 eprintln!(
                     "  {:<30} {:>9.0} msgs/s",
                     label(BATCH_OUTBOX),
@@ -688,6 +678,22 @@ impl<'a> Bench<'a> {
             args.extend(["--epoch-records".into(), records.to_string()]);
         }
         args
+    }
+
+    /// `args` run by this build as [`Bench::worker`] does, on an empty
+    /// schema and topology with the load published anew.
+    async fn run_afresh(
+        &self,
+        bodies: &[Vec<u8>],
+        load: &[PaymentSucceeded],
+        args: &[String],
+        run: Run,
+    ) -> anyhow::Result<Measurement> {
+        self.reset().await?;
+        self.publish(bodies).await?;
+        settle_down().await;
+        self.worker(&self.config.worker_binary, args, load, run)
+            .await
     }
 
     /// A contender with the settings of the mode it stands beside.
