@@ -38,7 +38,8 @@ impl Outgoing {
     /// survives a broker restart, stamped with the time it is made: the
     /// `timestamp` property (seconds) and a `timestamp_in_ms` header (as
     /// RabbitMQ's message-timestamp plugin writes it), from which a worker
-    /// measures its end-to-end latency.
+    /// measures its end-to-end latency; and, when spans are traced, the
+    /// current span's `traceparent`.
     pub fn json(exchange: &str, routing_key: &str, body: Vec<u8>) -> Self {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -48,6 +49,9 @@ impl Outgoing {
             "timestamp_in_ms".into(),
             AMQPValue::LongLongInt(i64::try_from(now.as_millis()).unwrap_or(i64::MAX)),
         );
+        for (name, value) in crate::telemetry::trace::current() {
+            headers.insert(name.into(), AMQPValue::LongString(value.into()));
+        }
         Self {
             exchange: exchange.to_owned(),
             routing_key: routing_key.to_owned(),

@@ -357,8 +357,14 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Command::Own(own) => own.log_filter(),
             _ => DEFAULT_LOG_FILTER,
         };
-        telemetry::init(filter, format);
         let name = self.name.clone();
+        let _telemetry = match telemetry::install(&name, filter, format) {
+            Ok(telemetry) => telemetry,
+            Err(e) => {
+                telemetry::fatal_as(&name, format, &e.to_string());
+                return ExitCode::from(2);
+            }
+        };
         // One thread: idem's own work per message is small next to lapin's I/O
         // thread and PostgreSQL, and a single thread saves the wake-ups between
         // threads that a multi-threaded runtime pays per batch and per ack

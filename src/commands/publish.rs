@@ -13,6 +13,8 @@ use crate::broker::{AmqpConfig, Outgoing, PublishOptions, PublishReport, publish
 use crate::generate::{self, LoadSpec};
 use crate::points::PaymentSucceeded;
 use crate::progress::Progress;
+use crate::telemetry::trace;
+use tracing::{Instrument, Span, info_span};
 
 /// Where the events come from.
 #[derive(Debug, Clone)]
@@ -128,10 +130,23 @@ pub async fn run(
         .into_iter()
         .collect::<std::collections::HashSet<_>>()
         .len();
-    let messages: Vec<Outgoing> = bodies
-        .into_iter()
-        .map(|body| Outgoing::json(&config.exchange, &config.routing_key, body))
-        .collect();
+    // Traced, every message carries the context of this one span.
+    let span = if trace::on() {
+        info_span!(
+            "publish",
+            otel.name = format!("send {}", config.exchange),
+            otel.kind = "producer",
+            messages = bodies.len()
+        )
+    } else {
+        Span::none()
+    };
+    let messages: Vec<Outgoing> = span.in_scope(|| {
+        bodies
+            .into_iter()
+            .map(|body| Outgoing::json(&config.exchange, &config.routing_key, body))
+            .collect()
+    });
     let progress = Progress::new("publishing", messages.len() as u64);
     let report = publish_showing(
         &config.amqp,
@@ -140,6 +155,7 @@ pub async fn run(
         &progress,
         shutdown,
     )
+    .instrument(span)
     .await;
     progress.finish(&report);
     Ok(Summary {

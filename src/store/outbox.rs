@@ -25,7 +25,17 @@ impl Rows {
     /// The rows of `outbox`'s messages, keyed in `group`.
     pub(super) fn of(group: &str, outbox: Outbox<'_>) -> Self {
         let mut rows = Self::default();
-        for (event_id, index, message) in outbox.into_messages() {
+        // Each message carries the context of the span that sends it,
+        // unless the handler gave one of its own.
+        let mut context = None;
+        for (event_id, index, mut message) in outbox.into_messages() {
+            let context = context.get_or_insert_with(crate::telemetry::trace::current);
+            for (name, value) in context.iter() {
+                message
+                    .headers
+                    .entry(name.clone())
+                    .or_insert_with(|| value.clone());
+            }
             rows.event_ids.push(event_id.to_owned());
             rows.message_ids
                 .push(message_id(group, event_id, index).to_string());

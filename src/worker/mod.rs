@@ -25,7 +25,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, error, info, info_span, warn};
+use tracing::{Instrument, error, field, info, info_span, warn};
 
 pub use epochs::EpochSettings;
 pub use stats::{Snapshot, Stats};
@@ -38,6 +38,7 @@ use crate::broker::{
 use crate::caught;
 use crate::handler::Handler;
 use crate::store::{Applier, DatabaseConfig, Filters, ReadyError, Store};
+use crate::telemetry::trace;
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
@@ -709,8 +710,18 @@ async fn consume<H: Handler>(
         let span = info_span!(
             "batch",
             delivery.first_tag = batch[0].delivery_tag,
-            batch.size = batch.len()
+            batch.size = batch.len(),
+            otel.name = field::Empty,
+            otel.kind = field::Empty,
         );
+        if trace::on() {
+            trace::follow(
+                &span,
+                config.topology.queue.as_str(),
+                &config.consumer_group,
+                batch.iter().map(|d| d.properties.headers().as_ref()),
+            );
+        }
         let (processor, settler, publisher) =
             (Arc::clone(processor), settler.clone(), publisher.clone());
         let counted = InFlight::start(Arc::clone(&processor.stats));

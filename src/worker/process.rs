@@ -15,7 +15,7 @@ use std::time::Duration;
 use backon::Retryable;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, DeliveryTag};
-use tracing::{debug, info, warn};
+use tracing::{Instrument, Span, debug, info, info_span, warn};
 
 use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
@@ -25,6 +25,7 @@ use crate::broker::death::may_follow_an_attempt;
 use crate::caught;
 use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
 use crate::store::{Applier, Failure, Store};
+use crate::telemetry::trace;
 
 /// A delivery whose body is a valid event.
 struct Item<E> {
@@ -165,6 +166,17 @@ impl<H: Handler> Processor<H> {
                 item.delivery.properties.headers().as_ref(),
             )
         });
+        // The handler's statements, as a span of their own when traced.
+        let transaction = if trace::on() {
+            info_span!(
+                "transaction",
+                otel.name = "idem transaction",
+                db.system.name = "postgresql",
+                events = events.len()
+            )
+        } else {
+            Span::none()
+        };
         let started = std::time::Instant::now();
         let outcome = self
             .until_database_answers(
@@ -177,6 +189,7 @@ impl<H: Handler> Processor<H> {
                 },
                 is_infrastructure,
             )
+            .instrument(transaction)
             .await;
         self.stats.transaction(events.len(), started.elapsed());
         let outcome = outcome.map(|mut claimed| {

@@ -46,4 +46,5 @@ mod secrets;
 mod stock;
 mod tls;
 mod toolbox;
+mod traces;
 mod triage;

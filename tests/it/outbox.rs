@@ -23,7 +23,7 @@ use crate::helpers::{
 
 /// A queue of the test's own that receives every `points.credited` sent to
 /// the test's exchange, as a downstream service's would.
-async fn credited_queue(env: &TestEnv) -> anyhow::Result<String> {
+pub(crate) async fn credited_queue(env: &TestEnv) -> anyhow::Result<String> {
     let queue = format!("{}.credited", env.topology.queue);
     env.remove_on_drop(std::slice::from_ref(&queue))?;
     let connection = env.connect().await?;
