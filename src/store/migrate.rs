@@ -31,6 +31,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(6, "0006_consume_record_digest_key.sql"),
     migration!(7, "0007_epoch_filters.sql"),
     migration!(8, "0008_claim_fast_paths.sql"),
+    migration!(9, "0009_claim_one_event.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -207,6 +208,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 8);
+        assert_eq!(latest(MIGRATIONS), 9);
     }
 }

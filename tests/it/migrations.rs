@@ -147,6 +147,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0006_consume_record_digest_key.sql",
             "0007_epoch_filters.sql",
             "0008_claim_fast_paths.sql",
+            "0009_claim_one_event.sql",
             "points/0001_user_points.sql"
         ]
     );
