@@ -32,6 +32,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(7, "0007_epoch_filters.sql"),
     migration!(8, "0008_claim_fast_paths.sql"),
     migration!(9, "0009_claim_one_event.sql"),
+    migration!(10, "0010_dead_letter_index.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -208,6 +209,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 9);
+        assert_eq!(latest(MIGRATIONS), 10);
     }
 }

@@ -5,6 +5,7 @@
 
 mod apply;
 mod claim;
+pub mod dead_letters;
 mod failure;
 pub mod filter;
 mod ledger;
@@ -30,6 +31,7 @@ pub use apply::{Applier, Claimed, Failure, apply_tally};
 #[cfg(feature = "tools")]
 pub(crate) use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded};
+pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
 pub use filter::Filters;
@@ -616,6 +618,77 @@ impl Store {
         }
         let client = self.pool.get().await?;
         Ok(claim::recorded(&client, &self.consumer_group, event_ids).await?)
+    }
+
+    /// Counts one more copy of each of `letters` in the dead-letter index:
+    /// they are about to be dead-lettered.
+    pub async fn index_dead_letters(&self, letters: &[DeadLetter]) -> Result<(), StoreError> {
+        if letters.is_empty() {
+            return Ok(());
+        }
+        let client = self.pool.get().await?;
+        Ok(dead_letters::write(&client, &self.consumer_group, letters, None).await?)
+    }
+
+    /// Takes one copy of each of `keys` off the dead-letter index: their
+    /// letters were replayed or discarded.
+    pub async fn dead_letters_taken(&self, keys: &[&str]) -> Result<(), StoreError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let client = self.pool.get().await?;
+        Ok(dead_letters::take(&client, &self.consumer_group, keys).await?)
+    }
+
+    /// Indexes letters a sync found, each one copy; a row last touched
+    /// before `started` (the sync's start) is set, not added to.
+    pub async fn sync_dead_letters(
+        &self,
+        letters: &[DeadLetter],
+        started: SystemTime,
+    ) -> Result<(), StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::write(&client, &self.consumer_group, letters, Some(started)).await?)
+    }
+
+    /// Ends a sync that started at `started` and found `letters` letters:
+    /// the rows of letters it did not find go. Returns how many went.
+    pub async fn dead_letters_synced(
+        &self,
+        started: SystemTime,
+        letters: i64,
+    ) -> Result<u64, StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::synced(&client, &self.consumer_group, started, letters).await?)
+    }
+
+    /// The database's clock, now.
+    pub async fn clock(&self) -> Result<SystemTime, StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::now(&client).await?)
+    }
+
+    /// The oldest epoch holding a record of an event of this group that has
+    /// a dead letter in the index, and how many such events there are.
+    pub async fn held_by_dead_letters(&self) -> Result<(Option<i32>, i64), StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::held_epoch(&client, &self.consumer_group).await?)
+    }
+
+    /// The dead-letter index's count of letters, and when it was last
+    /// synced with the queue.
+    pub async fn dead_letter_totals(&self) -> Result<IndexTotals, StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::totals(&client, &self.consumer_group).await?)
+    }
+
+    /// The dead letters of the index that match `filter`, counted.
+    pub async fn dead_letter_summary(
+        &self,
+        filter: &IndexFilter,
+    ) -> Result<IndexSummary, StoreError> {
+        let client = self.pool.get().await?;
+        Ok(dead_letters::summary(&client, &self.consumer_group, filter).await?)
     }
 
     /// Forgets the failures of `event_ids`: a replay starts a fresh budget.

@@ -24,7 +24,8 @@ use crate::broker::Topology;
 use crate::broker::death::may_follow_an_attempt;
 use crate::caught;
 use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
-use crate::store::{Applier, Failure, Store};
+use crate::store::dead_letters::{body_key, event_key};
+use crate::store::{Applier, DeadLetter, Failure, Store};
 use crate::telemetry::trace;
 
 /// A delivery whose body is a valid event.
@@ -57,11 +58,35 @@ pub(crate) struct Waiting {
 pub(crate) struct Decided {
     pub(crate) settlements: Vec<Settlement>,
     pub(crate) waiting: Vec<Waiting>,
+    /// What the dead-letter index is told before the rejections go out.
+    dead_letters: Vec<DeadLetter>,
 }
 
 impl Decided {
     fn settle(&mut self, tag: DeliveryTag, disposition: Disposition) {
         self.settlements.push(Settlement { tag, disposition });
+    }
+
+    /// Dead-letters `delivery` (`event_id` when it is a valid event; why it
+    /// failed when the failure ledger does not say).
+    fn dead_letter(
+        &mut self,
+        topology: &Topology,
+        delivery: &Delivery,
+        event_id: Option<&str>,
+        error: Option<String>,
+    ) {
+        self.settle(delivery.delivery_tag, Disposition::DeadLetter);
+        self.dead_letters.push(DeadLetter {
+            key: event_id.map_or_else(|| body_key(&delivery.data), event_key),
+            event_id: event_id.map(str::to_owned),
+            queue: topology.queue.clone(),
+            // What the broker's x-death says of a reject.
+            reason: "rejected".to_owned(),
+            invalid: event_id.is_none(),
+            error,
+            dead_at: None,
+        });
     }
 }
 
@@ -100,7 +125,7 @@ impl<H: Handler> Processor<H> {
         self.stats.received(batch.len() as u64);
         let mut decided = Decided {
             settlements: Vec::with_capacity(batch.len()),
-            waiting: Vec::new(),
+            ..Decided::default()
         };
         let mut items = Vec::with_capacity(batch.len());
         for delivery in batch {
@@ -120,12 +145,36 @@ impl<H: Handler> Processor<H> {
                         "invalid message: dead-lettering it"
                     );
                     self.stats.invalid(1);
-                    decided.settle(delivery.delivery_tag, Disposition::DeadLetter);
+                    decided.dead_letter(&self.topology, &delivery, None, Some(invalid.to_string()));
                 }
             }
         }
         self.apply(items, &mut decided).await;
+        self.index(&decided.dead_letters).await;
         decided
+    }
+
+    /// Writes the batch's dead letters into the index, before they are
+    /// rejected: the index never lacks a letter idem dead-lettered. While
+    /// the database is unavailable the batch waits, as any; a write it
+    /// refuses is logged, and the next `idem dlq sync` finds the letters.
+    async fn index(&self, letters: &[DeadLetter]) {
+        if letters.is_empty() {
+            return;
+        }
+        let written = self
+            .until_database_answers(
+                || self.store().index_dead_letters(letters),
+                |error| error.kind() == FailureKind::Infrastructure,
+            )
+            .await;
+        if let Err(error) = written {
+            warn!(
+                %error,
+                letters = letters.len(),
+                "cannot write the dead-letter index; `idem dlq sync` will find these letters"
+            );
+        }
     }
 
     /// The handler's event of `body`, checked against idem's own rules: a
@@ -264,7 +313,12 @@ impl<H: Handler> Processor<H> {
                 "out of attempts before the last restart: dead-lettering it"
             );
             self.stats.dead_lettered(1);
-            decided.settle(item.tag(), Disposition::DeadLetter);
+            decided.dead_letter(
+                &self.topology,
+                &item.delivery,
+                Some(self.event_id(&item)),
+                None,
+            );
         }
         rest
     }
@@ -300,7 +354,8 @@ impl<H: Handler> Processor<H> {
             );
             self.stats.failed(1);
             self.stats.dead_lettered(1);
-            decided.settle(item.tag(), Disposition::DeadLetter);
+            let error = Some(failure.reason.clone());
+            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
             return;
         }
         let counted = self
@@ -321,7 +376,8 @@ impl<H: Handler> Processor<H> {
                 "the handler says the message can never apply: dead-lettering it now"
             );
             self.stats.dead_lettered(1);
-            decided.settle(item.tag(), Disposition::DeadLetter);
+            let error = Some(failure.reason.clone());
+            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
             return;
         }
         let spent = failures >= self.max_attempts;
@@ -346,7 +402,8 @@ impl<H: Handler> Processor<H> {
         );
         if spent {
             self.stats.dead_lettered(1);
-            decided.settle(item.tag(), Disposition::DeadLetter);
+            let error = Some(failure.reason.clone());
+            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
         } else if delay.is_zero() {
             self.stats.retried(1, delay);
             decided.settle(item.tag(), Disposition::Retry);

@@ -148,6 +148,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0007_epoch_filters.sql",
             "0008_claim_fast_paths.sql",
             "0009_claim_one_event.sql",
+            "0010_dead_letter_index.sql",
             "points/0001_user_points.sql"
         ]
     );

@@ -1,0 +1,368 @@
+//! The dead-letter index (`mq_dead_letter`, migration 0010): what each
+//! consumer group's dead-letter queue holds, one row per event id (or
+//! digest of an invalid body) with a count of copies. The worker writes a
+//! row before it rejects the delivery; a replay or a discard takes a copy
+//! off once its ack is sent; a sync sets the rows to what the queue holds.
+//! Counts, summaries and the pruner's hold read it instead of the queue.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, SystemTime};
+
+use deadpool_postgres::GenericClient;
+use sha2::{Digest, Sha256};
+
+/// One dead letter, as the index keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// [`event_key`] or [`body_key`].
+    pub key: String,
+    /// Its event id, when the body is a valid event.
+    pub event_id: Option<String>,
+    /// The queue it died in.
+    pub queue: String,
+    /// Why (`rejected`, `delivery_limit`, …).
+    pub reason: String,
+    /// Why it failed, when the failure ledger does not say (an invalid
+    /// body's description); the ledger's last error, where it has the
+    /// event, takes precedence, as does its count of failures.
+    pub error: Option<String>,
+    /// A body the handler cannot decode.
+    pub invalid: bool,
+    /// When it died; `None` for now.
+    pub dead_at: Option<SystemTime>,
+}
+
+/// The key of a valid event's letters.
+pub fn event_key(event_id: &str) -> String {
+    format!("event {event_id}")
+}
+
+/// The key of an invalid body's letters: the first 16 bytes of its SHA-256.
+pub fn body_key(body: &[u8]) -> String {
+    let hash = Sha256::digest(body);
+    let mut key = String::with_capacity(5 + 32);
+    key.push_str("body ");
+    for byte in &hash[..16] {
+        key.push_str(&format!("{byte:02x}"));
+    }
+    key
+}
+
+/// Longest error text kept, in characters.
+const MAX_ERROR_CHARS: usize = 2000;
+
+/// Adds copies of letters, one per element of `letters` (grouped by key:
+/// one row each). `$10`: a row last touched before it is set to the count
+/// given instead of adding to it (a sync's start; `-infinity` adds).
+const WRITE: &str = "\
+    INSERT INTO mq_dead_letter AS letter \
+        (consumer_group, letter_key, event_id, queue, reason, failures, last_error, invalid, \
+         copies, dead_at) \
+    SELECT $1, given.key, given.event_id, given.queue, given.reason, \
+           coalesce(ledger.failures, 0), coalesce(ledger.last_error, given.error), given.invalid, \
+           given.copies, coalesce(given.dead_at, now()) \
+    FROM unnest($2::varchar[], $3::varchar[], $4::varchar[], $5::varchar[], $6::text[], \
+                $7::bool[], $8::int[], $9::timestamptz[]) \
+        AS given(key, event_id, queue, reason, error, invalid, copies, dead_at) \
+    LEFT JOIN mq_failure_ledger AS ledger \
+        ON ledger.consumer_group = $1 AND ledger.event_id = given.event_id \
+    ORDER BY given.key \
+    ON CONFLICT (consumer_group, letter_key) DO UPDATE \
+    SET copies = CASE WHEN letter.touched_at < $10 THEN EXCLUDED.copies \
+                      ELSE letter.copies + EXCLUDED.copies END, \
+        event_id = EXCLUDED.event_id, queue = EXCLUDED.queue, reason = EXCLUDED.reason, \
+        failures = EXCLUDED.failures, last_error = EXCLUDED.last_error, \
+        invalid = EXCLUDED.invalid, dead_at = greatest(letter.dead_at, EXCLUDED.dead_at), \
+        touched_at = clock_timestamp()";
+
+/// Takes copies off: a row whose every copy is taken goes.
+const TAKE: &str = "\
+    WITH taken AS (\
+        SELECT key, count(*)::int AS n FROM unnest($2::varchar[]) AS taken(key) GROUP BY key), \
+    gone AS (\
+        DELETE FROM mq_dead_letter AS letter USING taken \
+        WHERE letter.consumer_group = $1 AND letter.letter_key = taken.key \
+          AND letter.copies <= taken.n \
+        RETURNING 1) \
+    UPDATE mq_dead_letter AS letter SET copies = letter.copies - taken.n FROM taken \
+    WHERE letter.consumer_group = $1 AND letter.letter_key = taken.key \
+      AND letter.copies > taken.n";
+
+/// Writes `letters` into the index of `consumer_group`: one more copy
+/// each, or, for a row last touched before `reset_before`, as many as
+/// `letters` has of its key.
+pub(super) async fn write(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    letters: &[DeadLetter],
+    reset_before: Option<SystemTime>,
+) -> Result<(), tokio_postgres::Error> {
+    if letters.is_empty() {
+        return Ok(());
+    }
+    // One row per key in a statement (ON CONFLICT updates a row once): the
+    // copies of a key are counted, the last one's fields kept.
+    let mut by_key: HashMap<&str, (usize, i32)> = HashMap::new();
+    for (at, letter) in letters.iter().enumerate() {
+        let entry = by_key.entry(&letter.key).or_insert((at, 0));
+        entry.0 = at;
+        entry.1 += 1;
+    }
+    let mut rows: Vec<(&DeadLetter, i32)> = by_key
+        .into_values()
+        .map(|(at, copies)| (&letters[at], copies))
+        .collect();
+    rows.sort_by(|a, b| a.0.key.cmp(&b.0.key));
+    let keys: Vec<&str> = rows.iter().map(|(l, _)| l.key.as_str()).collect();
+    let event_ids: Vec<Option<&str>> = rows.iter().map(|(l, _)| l.event_id.as_deref()).collect();
+    let queues: Vec<&str> = rows.iter().map(|(l, _)| l.queue.as_str()).collect();
+    let reasons: Vec<&str> = rows.iter().map(|(l, _)| l.reason.as_str()).collect();
+    let errors: Vec<Option<String>> = rows
+        .iter()
+        .map(|(l, _)| {
+            l.error
+                .as_ref()
+                .map(|e| e.chars().take(MAX_ERROR_CHARS).collect())
+        })
+        .collect();
+    let invalid: Vec<bool> = rows.iter().map(|(l, _)| l.invalid).collect();
+    let copies: Vec<i32> = rows.iter().map(|(_, n)| *n).collect();
+    let dead_at: Vec<Option<SystemTime>> = rows.iter().map(|(l, _)| l.dead_at).collect();
+    let statement = client.prepare_cached(WRITE).await?;
+    // No row was touched before 1970: each is added to.
+    let reset_before = reset_before.unwrap_or(SystemTime::UNIX_EPOCH);
+    client
+        .execute(
+            &statement,
+            &[
+                &consumer_group,
+                &keys,
+                &event_ids,
+                &queues,
+                &reasons,
+                &errors,
+                &invalid,
+                &copies,
+                &dead_at,
+                &reset_before,
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Takes one copy of each of `keys` (a key twice, two) off the index.
+pub(super) async fn take(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    keys: &[&str],
+) -> Result<(), tokio_postgres::Error> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let statement = client.prepare_cached(TAKE).await?;
+    client
+        .execute(&statement, &[&consumer_group, &keys])
+        .await?;
+    Ok(())
+}
+
+/// The database's clock, now: when a sync starts.
+pub(super) async fn now(client: &impl GenericClient) -> Result<SystemTime, tokio_postgres::Error> {
+    client
+        .query_one("SELECT clock_timestamp()", &[])
+        .await?
+        .try_get(0)
+}
+
+/// Ends a sync that started at `started` and found `letters` letters:
+/// removes the rows it neither found nor saw written meanwhile; returns
+/// how many went.
+pub(super) async fn synced(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    started: SystemTime,
+    letters: i64,
+) -> Result<u64, tokio_postgres::Error> {
+    let removed = client
+        .execute(
+            "DELETE FROM mq_dead_letter WHERE consumer_group = $1 AND touched_at < $2",
+            &[&consumer_group, &started],
+        )
+        .await?;
+    client
+        .execute(
+            "INSERT INTO mq_dead_letter_sync (consumer_group, synced_at, letters) \
+             VALUES ($1, $2, $3) \
+             ON CONFLICT (consumer_group) DO UPDATE \
+             SET synced_at = EXCLUDED.synced_at, letters = EXCLUDED.letters",
+            &[&consumer_group, &started, &letters],
+        )
+        .await?;
+    Ok(removed)
+}
+
+/// The index of a group at a glance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexTotals {
+    /// Letters it counts (copies, summed).
+    pub letters: i64,
+    /// When it was last synced with the queue; `None` if never.
+    pub synced_at: Option<SystemTime>,
+}
+
+/// How many letters the index of `consumer_group` counts, and when it was
+/// last synced.
+pub(super) async fn totals(
+    client: &impl GenericClient,
+    consumer_group: &str,
+) -> Result<IndexTotals, tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT (SELECT coalesce(sum(copies), 0)::bigint FROM mq_dead_letter \
+                     WHERE consumer_group = $1), \
+                    (SELECT synced_at FROM mq_dead_letter_sync WHERE consumer_group = $1)",
+            &[&consumer_group],
+        )
+        .await?;
+    Ok(IndexTotals {
+        letters: row.try_get(0)?,
+        synced_at: row.try_get(1)?,
+    })
+}
+
+/// Which rows a summary counts; every part must hold (as `dlq::Filter`).
+#[derive(Debug, Clone, Default)]
+pub struct IndexFilter {
+    /// The reason of its death.
+    pub reason: Option<String>,
+    /// Its event id.
+    pub event_id: Option<String>,
+    /// Part of its last error (or of why its body is invalid).
+    pub error: Option<String>,
+    /// Died longer ago than this.
+    pub older_than: Option<Duration>,
+    /// Died within this.
+    pub newer_than: Option<Duration>,
+    /// Only invalid bodies.
+    pub invalid: bool,
+}
+
+/// The rows that match, counted (copies).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IndexSummary {
+    /// Letters that match.
+    pub letters: i64,
+    /// Per reason.
+    pub reasons: BTreeMap<String, i64>,
+    /// Per last error (`(invalid body)` for an invalid body,
+    /// `(no failure recorded)` when the ledger had none).
+    pub errors: BTreeMap<String, i64>,
+    /// The oldest death.
+    pub oldest: Option<SystemTime>,
+    /// The newest.
+    pub newest: Option<SystemTime>,
+    /// Valid events the group has not applied: a replay would apply them.
+    pub would_apply: i64,
+    /// Valid events the group applied already.
+    pub applied: i64,
+    /// Invalid bodies.
+    pub invalid: i64,
+}
+
+const SUMMARY: &str = "\
+    WITH matching AS MATERIALIZED (\
+        SELECT letter.* FROM mq_dead_letter AS letter \
+        WHERE letter.consumer_group = $1 \
+          AND ($2::varchar IS NULL OR letter.reason = $2) \
+          AND ($3::varchar IS NULL OR letter.event_id = $3) \
+          AND ($4::text IS NULL OR strpos(coalesce(letter.last_error, ''), $4) > 0) \
+          AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
+          AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
+          AND (NOT $7 OR letter.invalid)), \
+    applied AS (\
+        SELECT recorded.event_id FROM mq_recorded(\
+            ARRAY(SELECT event_id FROM matching WHERE event_id IS NOT NULL), $1) AS recorded) \
+    SELECT matching.reason, \
+           CASE WHEN matching.invalid THEN '(invalid body)' \
+                ELSE coalesce(matching.last_error, '(no failure recorded)') END AS error, \
+           sum(matching.copies)::bigint, min(matching.dead_at), max(matching.dead_at), \
+           coalesce(sum(matching.copies) FILTER (\
+               WHERE NOT matching.invalid AND applied.event_id IS NULL), 0)::bigint, \
+           coalesce(sum(matching.copies) FILTER (WHERE applied.event_id IS NOT NULL), 0)::bigint, \
+           coalesce(sum(matching.copies) FILTER (WHERE matching.invalid), 0)::bigint \
+    FROM matching LEFT JOIN applied ON applied.event_id = matching.event_id \
+    GROUP BY 1, 2";
+
+/// The rows of `consumer_group` that match `filter`, counted.
+pub(super) async fn summary(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    filter: &IndexFilter,
+) -> Result<IndexSummary, tokio_postgres::Error> {
+    let seconds = |d: &Duration| d.as_secs_f64();
+    let rows = client
+        .query(
+            SUMMARY,
+            &[
+                &consumer_group,
+                &filter.reason,
+                &filter.event_id,
+                &filter.error,
+                &filter.older_than.as_ref().map(seconds),
+                &filter.newer_than.as_ref().map(seconds),
+                &filter.invalid,
+            ],
+        )
+        .await?;
+    let mut summary = IndexSummary::default();
+    for row in rows {
+        let reason: String = row.try_get(0)?;
+        let error: String = row.try_get(1)?;
+        let letters: i64 = row.try_get(2)?;
+        let oldest: SystemTime = row.try_get(3)?;
+        let newest: SystemTime = row.try_get(4)?;
+        summary.letters += letters;
+        *summary.reasons.entry(reason).or_default() += letters;
+        *summary.errors.entry(error).or_default() += letters;
+        summary.oldest = Some(summary.oldest.map_or(oldest, |t| t.min(oldest)));
+        summary.newest = Some(summary.newest.map_or(newest, |t| t.max(newest)));
+        summary.would_apply += row.try_get::<_, i64>(5)?;
+        summary.applied += row.try_get::<_, i64>(6)?;
+        summary.invalid += row.try_get::<_, i64>(7)?;
+    }
+    Ok(summary)
+}
+
+/// The oldest epoch holding a record of an event of `consumer_group` that
+/// has a dead letter (a replay of it must stay a duplicate), and how many
+/// such events there are.
+pub(super) async fn held_epoch(
+    client: &impl GenericClient,
+    consumer_group: &str,
+) -> Result<(Option<i32>, i64), tokio_postgres::Error> {
+    let row = client
+        .query_one(
+            "SELECT min(recorded.epoch), count(*) FROM mq_recorded(\
+                 ARRAY(SELECT event_id FROM mq_dead_letter \
+                       WHERE consumer_group = $1 AND event_id IS NOT NULL), $1) AS recorded",
+            &[&consumer_group],
+        )
+        .await?;
+    Ok((row.try_get(0)?, row.try_get(1)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_of_events_and_bodies_never_meet() {
+        assert_eq!(event_key("e-1"), "event e-1");
+        let key = body_key(b"not json");
+        assert!(key.starts_with("body "));
+        assert_eq!(key.len(), 5 + 32);
+        assert_eq!(key, body_key(b"not json"));
+        assert_ne!(key, body_key(b"not json either"));
+    }
+}
