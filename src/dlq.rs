@@ -27,12 +27,16 @@ use tracing::warn;
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
     AmqpConfig, ConfirmChannel, ConnectionWatch, Nacks, Outgoing, Reconnects, Refusal, close,
-    close_channel, connect_with_retry, ready_messages, settle,
+    close_channel, connect_with_retry, queue_counts, ready_messages, settle,
 };
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::progress::Progress;
-use crate::store::{DatabaseConfig, LedgerEntry, ReadyError, Store, StoreError};
+use crate::store::dead_letters::{body_key, event_key};
+use crate::store::{
+    DatabaseConfig, DeadLetter, IndexFilter, IndexSummary, IndexTotals, LedgerEntry, ReadyError,
+    Store, StoreError,
+};
 
 /// Which dead-letter queue, and how to reach the failure ledger.
 #[derive(Debug, Clone)]
@@ -91,11 +95,17 @@ pub enum Action {
         /// The file.
         file: PathBuf,
     },
+    /// Set the dead-letter index to what the queue holds: every letter
+    /// found is indexed, every row of a letter not found (and not written
+    /// meanwhile) goes. Nothing moves; the filter is not consulted.
+    Sync,
 }
 
 /// One dead letter, as an operator needs to see it.
 #[derive(Debug, Clone)]
 pub struct Entry {
+    /// Its key in the dead-letter index.
+    pub key: String,
     /// Its event id, when the body is a valid event.
     pub event_id: Option<String>,
     /// Why the handler cannot decode it, and how the body starts, when it
@@ -140,6 +150,20 @@ pub struct Report {
     /// Replays the broker nacked and that were sent again on a fresh
     /// channel.
     pub nacks_retried: usize,
+    /// What a sync did to the index.
+    pub synced: Option<Synced>,
+    /// Why the dead-letter index could not be told of what was replayed or
+    /// discarded, if it could not (the next sync mends it).
+    pub index_stale: Option<String>,
+}
+
+/// What a sync did to the dead-letter index.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Synced {
+    /// Letters found in the queue, each indexed.
+    pub indexed: usize,
+    /// Rows removed: their letters were gone.
+    pub removed: u64,
 }
 
 impl Report {
@@ -250,6 +274,189 @@ pub async fn run_showing<H: Handler>(
     }
 }
 
+/// The dead-letter index of a group beside its queue, synced first when it
+/// has to be.
+#[derive(Debug, Clone)]
+pub struct IndexState {
+    /// The dead-letter queue.
+    pub queue: String,
+    /// The letters ready in it; `None` when it does not exist.
+    pub in_queue: Option<u32>,
+    /// What the index counts.
+    pub totals: IndexTotals,
+    /// The sync run first, if one was.
+    pub synced: Option<Synced>,
+}
+
+impl IndexState {
+    /// True when the queue holds letters the index does not count, or the
+    /// index was never synced: it may lack letters that came by other ways
+    /// than idem's worker.
+    pub fn behind(&self) -> bool {
+        self.totals.synced_at.is_none()
+            || self
+                .in_queue
+                .is_some_and(|ready| i64::from(ready) > self.totals.letters)
+    }
+}
+
+/// Reads the dead-letter index's totals and the queue's depth (a passive
+/// declare); when the index is [behind](IndexState::behind), syncs it
+/// first (which browses the queue: once, after an upgrade or letters from
+/// elsewhere).
+pub async fn index_state<H: Handler>(
+    config: &DlqConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<IndexState> {
+    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    let server = config.database.describe();
+    match store
+        .wait_until_ready::<H>(&server, config.patience, shutdown)
+        .await
+    {
+        Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
+        ready => ready?,
+    }
+    let mut state = IndexState {
+        queue: config.dead_letter_queue.clone(),
+        in_queue: dead_letter_depth(config, shutdown).await?,
+        totals: store.dead_letter_totals().await?,
+        synced: None,
+    };
+    if state.behind() {
+        let report = run(config, &Action::Sync, handler, shutdown).await?;
+        state.synced = report.synced;
+        state.totals = store.dead_letter_totals().await?;
+        state.in_queue = dead_letter_depth(config, shutdown).await?;
+    }
+    Ok(state)
+}
+
+/// The letters ready in the dead-letter queue, by a passive declare;
+/// `None` when it does not exist.
+async fn dead_letter_depth(
+    config: &DlqConfig,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<u32>> {
+    let connection =
+        connect_with_retry(&config.amqp, "idem dlq", config.patience, shutdown).await?;
+    let channel = connection.create_channel().await?;
+    let counts = queue_counts(&channel, &config.dead_letter_queue).await.ok();
+    if counts.is_some() {
+        close_channel(&channel).await;
+    }
+    close(&connection).await;
+    Ok(counts.map(|(ready, _)| ready))
+}
+
+/// `idem dlq summary`: the dead letters that match, counted from the index
+/// (synced first if it is [behind](IndexState::behind)); the queue is only
+/// counted. A limit does not apply to a count.
+pub async fn summary<H: Handler>(
+    config: &DlqConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<IndexedSummary> {
+    let state = index_state(config, handler, shutdown).await?;
+    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    let summary = store
+        .dead_letter_summary(&IndexFilter::from(&config.filter))
+        .await?;
+    Ok(IndexedSummary { state, summary })
+}
+
+/// What `idem dlq summary` prints.
+#[derive(Debug, Clone)]
+pub struct IndexedSummary {
+    /// The index beside the queue.
+    pub state: IndexState,
+    /// The letters that match, counted.
+    pub summary: IndexSummary,
+}
+
+impl From<&Filter> for IndexFilter {
+    fn from(filter: &Filter) -> Self {
+        Self {
+            reason: filter.reason.clone(),
+            event_id: filter.event_id.clone(),
+            error: filter.error.clone(),
+            older_than: filter.older_than,
+            newer_than: filter.newer_than,
+            invalid: filter.invalid,
+        }
+    }
+}
+
+impl fmt::Display for IndexedSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let IndexedSummary { state, summary } = self;
+        if let Some(synced) = &state.synced {
+            writeln!(f, "{}", SyncedIn(&state.queue, synced))?;
+        }
+        write!(
+            f,
+            "{} of {} dead-lettered message(s) in {} match",
+            summary.letters,
+            state.totals.letters,
+            printable(&state.queue)
+        )?;
+        match state.in_queue {
+            Some(ready) if i64::from(ready) != state.totals.letters => write!(
+                f,
+                " (by the index; the queue holds {ready} ready: `idem dlq sync` sets the index \
+                 to it)"
+            )?,
+            _ => {}
+        }
+        fn counted(counts: &BTreeMap<String, i64>) -> Vec<(&String, &i64)> {
+            let mut counts: Vec<(&String, &i64)> = counts.iter().collect();
+            counts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            counts
+        }
+        let reasons: Vec<String> = counted(&summary.reasons)
+            .into_iter()
+            .map(|(reason, n)| format!("{} {n}", printable(reason)))
+            .collect();
+        write!(f, "\n  by reason: {}", reasons.join(", "))?;
+        write!(f, "\n  by last error:")?;
+        for (error, n) in counted(&summary.errors) {
+            write!(f, "\n    {n:>6}  {}", printable(error))?;
+        }
+        let seconds = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        if let (Some(oldest), Some(newest)) = (summary.oldest, summary.newest) {
+            write!(
+                f,
+                "\n  oldest {}, newest {}",
+                rfc3339(seconds(oldest)),
+                rfc3339(seconds(newest))
+            )?;
+        }
+        write!(
+            f,
+            "\n  a replay would apply {}, find {} applied already; {} invalid or unknown",
+            summary.would_apply, summary.applied, summary.invalid
+        )
+    }
+}
+
+/// A sync's outcome, as a line.
+struct SyncedIn<'a>(&'a str, &'a Synced);
+
+impl fmt::Display for SyncedIn<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let SyncedIn(queue, synced) = self;
+        write!(
+            f,
+            "synced the dead-letter index with {}: {} letter(s) found, {} row(s) of letters no \
+             longer there removed",
+            printable(queue),
+            synced.indexed,
+            synced.removed
+        )
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 enum PassError {
     #[error(transparent)]
@@ -266,6 +473,12 @@ const GIVE_BACK_WAIT: Duration = Duration::from_secs(5);
 /// Most dead letters taken before they are acted on: one ledger statement,
 /// one file sync, one wait for confirms per chunk.
 const CHUNK: usize = 128;
+
+/// Most dead letters a sync indexes in one statement.
+const SYNC_CHUNK: usize = 1000;
+
+/// The reason shown for a letter without an `x-death` header.
+const NO_DEATH: &str = "(no x-death header)";
 
 /// A dead letter taken from the queue, not acked yet.
 struct Letter {
@@ -306,12 +519,26 @@ impl<H: Handler> Pass<'_, H> {
         self.report.failed.clear();
         self.report.skipped_invalid = 0;
         let mut pacer = self.action.pacer();
+        // A sync counts again from its own start: what an earlier pass
+        // wrote is set, not added to.
+        let sync_started = match self.action {
+            Action::Sync => {
+                self.report.synced = Some(Synced::default());
+                Some(self.store.clock().await?)
+            }
+            _ => None,
+        };
         // At most what is in the queue when the pass starts: what dies while
         // it runs (a replay that fails again, say) is for the next run.
         let mut in_queue = None;
         while !shutdown.is_cancelled() && self.wanted() != Some(0) {
             let mut chunk = Vec::new();
-            while chunk.len() < CHUNK && in_queue != Some(0) {
+            let chunk_size = if matches!(self.action, Action::Sync) {
+                SYNC_CHUNK
+            } else {
+                CHUNK
+            };
+            while chunk.len() < chunk_size && in_queue != Some(0) {
                 let Some(message) = getter
                     .basic_get(
                         self.config.dead_letter_queue.as_str().into(),
@@ -334,6 +561,10 @@ impl<H: Handler> Pass<'_, H> {
             }
             if chunk.is_empty() {
                 break;
+            }
+            if let Some(started) = sync_started {
+                self.index(chunk, started).await?;
+                continue;
             }
             self.look_up(&mut chunk).await;
             let matched = self.matching(chunk);
@@ -363,12 +594,20 @@ impl<H: Handler> Pass<'_, H> {
                     }
                 }
                 Action::Discard { .. } => self.discard(&getter, matched).await?,
+                Action::Sync => unreachable!("a sync indexes its chunks above"),
             }
             if in_queue == Some(0) {
                 break;
             }
         }
-        if !matches!(self.action, Action::List) {
+        if let Some(started) = sync_started
+            && !shutdown.is_cancelled()
+        {
+            let letters = i64::try_from(self.report.seen).unwrap_or(i64::MAX);
+            let removed = self.store.dead_letters_synced(started, letters).await?;
+            self.report.synced.get_or_insert_default().removed = removed;
+        }
+        if matches!(self.action, Action::Replay { .. } | Action::Discard { .. }) {
             // A quorum queue loses acks sent just before their channel
             // closes (the close returns what the queue has not settled
             // yet; seen on 3.10 and 4.0): a get on the same channel is
@@ -443,6 +682,9 @@ impl<H: Handler> Pass<'_, H> {
         Letter {
             tag: delivery.delivery_tag,
             entry: Entry {
+                key: event_id
+                    .as_deref()
+                    .map_or_else(|| body_key(&delivery.data), event_key),
                 event_id,
                 invalid,
                 death: Death::latest(headers),
@@ -560,16 +802,19 @@ impl<H: Handler> Pass<'_, H> {
         loop {
             let replayed = self.report.replayed.len();
             let mut nacked = Vec::new();
+            let mut taken = Vec::new();
             for (tag, entry, message, confirm) in sent {
                 match settle(confirm).await? {
                     Ok(()) => {
                         getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                        taken.push(entry.key.clone());
                         self.report.replayed.push(entry);
                     }
                     Err(Refusal::Nacked) => nacked.push((tag, entry, message)),
                     Err(refusal) => self.not_replayed(tag, entry, &message, &refusal),
                 }
             }
+            self.taken(&taken).await;
             if nacked.is_empty() {
                 return Ok(());
             }
@@ -617,12 +862,53 @@ impl<H: Handler> Pass<'_, H> {
         file.write_all(&lines)
             .and_then(|()| file.sync_data())
             .map_err(|e| PassError::File(e.into()))?;
+        let mut taken = Vec::with_capacity(letters.len());
         for letter in letters {
             getter
                 .basic_ack(letter.tag, BasicAckOptions::default())
                 .await?;
+            taken.push(letter.entry.key.clone());
             self.report.discarded.push(letter.entry);
         }
+        self.taken(&taken).await;
+        Ok(())
+    }
+
+    /// Takes the letters of `keys`, acked, off the index. A failure leaves
+    /// rows the next sync removes: it is reported, and the run goes on.
+    async fn taken(&mut self, keys: &[String]) {
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        if let Err(error) = self.store.dead_letters_taken(&keys).await {
+            warn!(%error, letters = keys.len(), "cannot take replayed or discarded letters off the dead-letter index");
+            self.report
+                .index_stale
+                .get_or_insert_with(|| error.to_string());
+        }
+    }
+
+    /// Indexes a sync's chunk, each letter as one copy (a row touched
+    /// before `started` is set to what the sync finds), and holds it.
+    async fn index(&mut self, chunk: Vec<Letter>, started: SystemTime) -> Result<(), PassError> {
+        let letters: Vec<DeadLetter> = chunk
+            .iter()
+            .map(|letter| {
+                let death = letter.entry.death.as_ref();
+                DeadLetter {
+                    key: letter.entry.key.clone(),
+                    event_id: letter.entry.event_id.clone(),
+                    queue: death.map_or_else(String::new, |d| d.queue.clone()),
+                    reason: death.map_or_else(|| NO_DEATH.to_owned(), |d| d.reason.clone()),
+                    error: letter.entry.invalid.clone(),
+                    invalid: letter.entry.invalid.is_some(),
+                    dead_at: death
+                        .and_then(|d| d.time)
+                        .map(|t| UNIX_EPOCH + Duration::from_secs(t)),
+                }
+            })
+            .collect();
+        self.store.sync_dead_letters(&letters, started).await?;
+        self.report.synced.get_or_insert_default().indexed += letters.len();
+        self.held.extend(chunk.iter().map(|letter| letter.tag));
         Ok(())
     }
 }
@@ -862,7 +1148,7 @@ impl Report {
             let reason = entry
                 .death
                 .as_ref()
-                .map_or_else(|| "(no x-death header)".to_owned(), |d| d.reason.clone());
+                .map_or_else(|| NO_DEATH.to_owned(), |d| d.reason.clone());
             *summary.reasons.entry(reason).or_default() += 1;
             let error = match (&entry.failures, &entry.invalid) {
                 (Some(failures), _) => failures.last_error.clone(),
@@ -963,6 +1249,8 @@ impl fmt::Display for Printed<'_> {
                 report.discarded.len(),
                 file.display()
             )?;
+        } else if let Some(synced) = &report.synced {
+            write!(f, "{}", SyncedIn(&report.queue, synced))?;
         } else if self.view == View::Summary {
             summarize(f, report)?;
         } else {
@@ -992,6 +1280,13 @@ impl fmt::Display for Printed<'_> {
             for (entry, why) in &report.failed {
                 write!(f, "\n  {entry}: {}", printable(why))?;
             }
+        }
+        if let Some(error) = &report.index_stale {
+            write!(
+                f,
+                "\n  (the dead-letter index could not be told: {}; `idem dlq sync` mends it)",
+                printable(error)
+            )?;
         }
         if let Some(error) = &report.ledger_unavailable {
             write!(
@@ -1071,6 +1366,7 @@ mod tests {
 
     fn entry(reason: &str, time: u64, error: Option<&str>) -> Entry {
         Entry {
+            key: event_key("e"),
             event_id: Some("e".into()),
             invalid: None,
             death: Some(Death {

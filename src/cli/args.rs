@@ -491,6 +491,11 @@ pub(crate) enum DlqAction {
     /// Remove them, each written first to a JSON-lines file that is synced
     /// before the message is acked.
     Discard(DiscardArgs),
+    /// Set the dead-letter index to what the queue holds (browsing every
+    /// letter and giving it back): for letters that came by other ways than
+    /// idem's worker, or after an upgrade; summary and prune do it when the
+    /// queue holds letters the index does not count.
+    Sync(DlqTargetArgs),
 }
 
 /// Which dead letters (every filter given must hold), and where they are.
@@ -895,6 +900,13 @@ impl DlqArgs {
     /// Settings of `dlq`.
     pub(crate) fn config(&self) -> Result<(DlqConfig, Action, View), SettingError> {
         let (filter, action, view) = match &self.action {
+            DlqAction::Sync(target) => {
+                return Ok((
+                    target.config(Filter::default(), None)?,
+                    Action::Sync,
+                    View::Listing,
+                ));
+            }
             DlqAction::Summary(filter) => (filter, Action::List, View::Summary),
             DlqAction::List(filter) => (filter, Action::List, View::Listing),
             DlqAction::Replay(replay) => (

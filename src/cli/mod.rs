@@ -555,8 +555,13 @@ async fn dead_letters<H: Handler>(
     handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<ExitCode> {
+    if view == dlq::View::Summary {
+        println!("{}", dlq::summary(config, handler, shutdown).await?);
+        return Ok(ExitCode::SUCCESS);
+    }
     let progress = match action {
         dlq::Action::List => Progress::hidden(),
+        dlq::Action::Sync => Progress::new("syncing", 0),
         dlq::Action::Replay { .. } => Progress::new("replaying", 0),
         dlq::Action::Discard { .. } => Progress::new("discarding", 0),
     };

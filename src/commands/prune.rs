@@ -8,8 +8,9 @@ use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker;
-use crate::dlq::{self, Action, DlqConfig};
+use crate::dlq::{self, DlqConfig};
 use crate::handler::Handler;
+use crate::store::Store;
 use crate::store::retention::{self, PruneConfig, Pruned};
 
 /// `idem prune`'s settings.
@@ -96,28 +97,23 @@ pub async fn run<H: Handler>(
 ) -> anyhow::Result<Outcome> {
     settings.check_window()?;
     // The dead letters an operator may replay: an event among them that
-    // this group applied (another copy of it did) keeps its record. The
-    // listing waits for the database first, and says if it is not migrated.
-    let letters = dlq::run(&settings.target, &Action::List, handler, shutdown).await?;
-    if let Some(why) = &letters.ledger_unavailable {
-        bail!("cannot tell which dead letters were applied, so nothing is pruned: {why}");
-    }
+    // this group applied (another copy of it did) keeps its record. They
+    // are read from the dead-letter index, synced with the queue first if
+    // it never was or the queue holds letters it does not count (from an
+    // older idem, or the broker's delivery limit). That waits for the
+    // database first, and says if it is not migrated.
+    let target = &settings.target;
+    dlq::index_state(target, handler, shutdown)
+        .await
+        .context("cannot tell which dead letters were applied, so nothing is pruned")?;
     if shutdown.is_cancelled() {
         return Ok(Outcome::default());
     }
-    let pool = settings.target.database.pool()?;
-    let applied: Vec<&str> = letters
-        .listed
-        .iter()
-        .filter(|entry| entry.applied == Some(true))
-        .filter_map(|entry| entry.event_id.as_deref())
-        .collect();
+    let store = Store::new(target.database.pool()?, target.consumer_group.clone());
+    let (for_letters, applied) = store.held_by_dead_letters().await?;
     let unconsumed = unconsumed(settings).await?;
+    let pool = store.pool().clone();
     let client = pool.get().await?;
-    let for_letters = match applied.as_slice() {
-        [] => None,
-        ids => retention::oldest_epoch_of(&client, &settings.target.consumer_group, ids).await?,
-    };
     let keep_from = match unconsumed {
         Some(_) => retention::epochs(&client)
             .await?
@@ -137,7 +133,7 @@ pub async fn run<H: Handler>(
         .context("pruning the consume records")?;
     Ok(Outcome {
         pruned,
-        held_back: for_letters.map(|epoch| (epoch, applied.len())),
+        held_back: for_letters.map(|epoch| (epoch, usize::try_from(applied).unwrap_or(usize::MAX))),
         unconsumed,
     })
 }

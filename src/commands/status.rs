@@ -9,11 +9,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry, queue_counts};
-use crate::dlq::{self, Action, DlqConfig, Filter, printable};
+use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{DatabaseConfig, ReadyError, Store};
+use crate::store::{DatabaseConfig, IndexFilter, IndexTotals, ReadyError, Store};
 
 /// Whose status.
 #[derive(Debug, Clone)]
@@ -52,14 +52,20 @@ pub struct Status {
     pub epochs: EpochSummary,
     /// Events of the group the failure ledger holds.
     pub failing: i64,
-    /// Dead letters per reason of their latest death.
-    pub dead_letters: BTreeMap<String, usize>,
+    /// Dead letters per reason of their death, as the dead-letter index
+    /// counts them.
+    pub dead_letters: BTreeMap<String, i64>,
+    /// The letters the index counts, and when it was last synced.
+    pub index: IndexTotals,
+    /// The letters the dead-letter queue holds (ready); `None` when it does
+    /// not exist.
+    pub in_queue: Option<u32>,
 }
 
 /// Looks at the consumer group's queues and tables; moves nothing.
 pub async fn run<H: Handler>(
     config: &StatusConfig,
-    handler: &H,
+    _handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Status> {
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
@@ -87,23 +93,18 @@ pub async fn run<H: Handler>(
         queues.push(QueueState { name, counts });
     }
     close(&connection).await;
-    let dead_letters = dlq::run(
-        &DlqConfig {
-            amqp: config.amqp.clone(),
-            database: config.database.clone(),
-            consumer_group: config.consumer_group.clone(),
-            dead_letter_queue: config.topology.dead_letter_queue.clone(),
-            filter: Filter::default(),
-            limit: None,
-            patience: config.patience,
-        },
-        &Action::List,
-        handler,
-        shutdown,
-    )
-    .await?
-    .summary()
-    .reasons;
+    // The index, not the queue: a status costs the same with a million
+    // dead letters as with ten.
+    let index = store.dead_letter_totals().await?;
+    let dead_letters = store
+        .dead_letter_summary(&IndexFilter::default())
+        .await?
+        .reasons;
+    let in_queue = queues
+        .iter()
+        .find(|queue| queue.name == config.topology.dead_letter_queue)
+        .and_then(|queue| queue.counts)
+        .map(|(ready, _)| ready);
     Ok(Status {
         consumer_group: config.consumer_group.clone(),
         queues,
@@ -111,6 +112,8 @@ pub async fn run<H: Handler>(
         epochs,
         failing,
         dead_letters,
+        index,
+        in_queue,
     })
 }
 
@@ -167,6 +170,21 @@ impl fmt::Display for Status {
             } else {
                 reasons.join(", ")
             }
-        )
+        )?;
+        let synced = match self.index.synced_at {
+            Some(at) => match at.duration_since(UNIX_EPOCH) {
+                Ok(at) => format!("last synced {}", rfc3339(at.as_secs())),
+                Err(_) => "synced".to_owned(),
+            },
+            None => "never synced".to_owned(),
+        };
+        match self.in_queue {
+            Some(ready) if i64::from(ready) != self.index.letters => write!(
+                f,
+                " (by the index, {synced}; the dead-letter queue holds {ready} ready: \
+                 `idem dlq sync` sets the index to it)"
+            ),
+            _ => write!(f, " (by the index, {synced})"),
+        }
     }
 }

@@ -1164,6 +1164,30 @@ pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio:
     command
 }
 
+/// What a run of `idem` printed, and its exit code.
+pub struct Ran {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Runs `idem` with `args` on `env`, against the session's servers, and
+/// waits (patiently, up to a minute) for it to exit.
+pub async fn run_idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<Ran> {
+    let output = tokio::time::timeout(
+        patient(Duration::from_secs(60)),
+        idem_command(env, &amqp_url(), &database_url())
+            .args(args)
+            .output(),
+    )
+    .await??;
+    Ok(Ran {
+        code: output.status.code(),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    })
+}
+
 /// Runs `idem worker` as `command` says, and asserts that it exits 1 at
 /// once, without retrying, with one line on stderr; returns that line.
 pub async fn worker_exits_at_once(command: tokio::process::Command) -> anyhow::Result<String> {

@@ -15,8 +15,8 @@ use idem::points::{PaymentSucceeded, Points};
 use idem::worker::Mode;
 
 use crate::helpers::{
-    GROUP, Removed, RunningWorker, SlowConsumer, TestEnv, amqp_url, database_url, idem_command,
-    patient, publish_messages, unique_name, wait_for,
+    GROUP, Removed, RunningWorker, SlowConsumer, TestEnv, patient, publish_messages, run_idem,
+    unique_name, wait_for,
 };
 
 /// What the dead-letter queue holds, in the order it got them.
@@ -127,17 +127,8 @@ async fn reject(env: &TestEnv, queue: &str, times: u32, requeue: bool) -> anyhow
 
 /// `idem` with `args`, on `env`; its exit code and standard output.
 async fn idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
-    let output = tokio::time::timeout(
-        patient(Duration::from_secs(60)),
-        idem_command(env, &amqp_url(), &database_url())
-            .args(args)
-            .output(),
-    )
-    .await??;
-    Ok((
-        output.status.code(),
-        String::from_utf8_lossy(&output.stdout).into_owned(),
-    ))
+    let ran = run_idem(env, args).await?;
+    Ok((ran.code, ran.stdout))
 }
 
 fn config(env: &TestEnv, filter: Filter) -> DlqConfig {
