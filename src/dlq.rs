@@ -289,14 +289,15 @@ pub struct IndexState {
 }
 
 impl IndexState {
-    /// True when the queue holds letters the index does not count, or the
-    /// index was never synced: it may lack letters that came by other ways
-    /// than idem's worker.
+    /// True when the queue holds more letters than the index counts: some
+    /// came by other ways than idem's worker (the broker's delivery limit,
+    /// an idem older than the index). A queue holding fewer (a purge, a
+    /// worker stopped between writing a letter and rejecting it) leaves the
+    /// index counting too many, the safe side for the pruner's hold, until
+    /// a sync.
     pub fn behind(&self) -> bool {
-        self.totals.synced_at.is_none()
-            || self
-                .in_queue
-                .is_some_and(|ready| i64::from(ready) > self.totals.letters)
+        self.in_queue
+            .is_some_and(|ready| i64::from(ready) > self.totals.letters)
     }
 }
 
@@ -562,12 +563,16 @@ impl<H: Handler> Pass<'_, H> {
             if chunk.is_empty() {
                 break;
             }
-            if let Some(started) = sync_started {
-                self.index(chunk, started).await?;
-                continue;
-            }
-            self.look_up(&mut chunk).await;
-            let matched = self.matching(chunk);
+            let matched = match sync_started {
+                Some(started) => {
+                    self.index(chunk, started).await?;
+                    Vec::new()
+                }
+                None => {
+                    self.look_up(&mut chunk).await;
+                    self.matching(chunk)
+                }
+            };
             match self.action {
                 Action::List => {
                     for letter in matched {
@@ -594,7 +599,8 @@ impl<H: Handler> Pass<'_, H> {
                     }
                 }
                 Action::Discard { .. } => self.discard(&getter, matched).await?,
-                Action::Sync => unreachable!("a sync indexes its chunks above"),
+                // Indexed above, whatever the filter.
+                Action::Sync => {}
             }
             if in_queue == Some(0) {
                 break;

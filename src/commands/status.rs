@@ -2,7 +2,6 @@
 //! dead-letter queues (depth and consumers), the consume records (count,
 //! oldest, epochs), the failure ledger, and the dead letters per reason.
 
-use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -13,7 +12,7 @@ use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{DatabaseConfig, IndexFilter, IndexTotals, ReadyError, Store};
+use crate::store::{DatabaseConfig, IndexTotals, ReadyError, Store};
 
 /// Whose status.
 #[derive(Debug, Clone)]
@@ -52,10 +51,8 @@ pub struct Status {
     pub epochs: EpochSummary,
     /// Events of the group the failure ledger holds.
     pub failing: i64,
-    /// Dead letters per reason of their death, as the dead-letter index
-    /// counts them.
-    pub dead_letters: BTreeMap<String, i64>,
-    /// The letters the index counts, and when it was last synced.
+    /// The dead letters the index counts, per reason of their death, and
+    /// when it was last synced.
     pub index: IndexTotals,
     /// The letters the dead-letter queue holds (ready); `None` when it does
     /// not exist.
@@ -96,10 +93,6 @@ pub async fn run<H: Handler>(
     // The index, not the queue: a status costs the same with a million
     // dead letters as with ten.
     let index = store.dead_letter_totals().await?;
-    let dead_letters = store
-        .dead_letter_summary(&IndexFilter::default())
-        .await?
-        .reasons;
     let in_queue = queues
         .iter()
         .find(|queue| queue.name == config.topology.dead_letter_queue)
@@ -111,7 +104,6 @@ pub async fn run<H: Handler>(
         records,
         epochs,
         failing,
-        dead_letters,
         index,
         in_queue,
     })
@@ -158,7 +150,8 @@ impl fmt::Display for Status {
         )?;
         writeln!(f, "  failure ledger     {} event(s) failing", self.failing)?;
         let reasons: Vec<String> = self
-            .dead_letters
+            .index
+            .reasons
             .iter()
             .map(|(reason, n)| format!("{} {n}", printable(reason)))
             .collect();

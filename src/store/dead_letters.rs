@@ -203,32 +203,44 @@ pub(super) async fn synced(
 }
 
 /// The index of a group at a glance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct IndexTotals {
     /// Letters it counts (copies, summed).
     pub letters: i64,
+    /// Of them, per reason of their death.
+    pub reasons: BTreeMap<String, i64>,
     /// When it was last synced with the queue; `None` if never.
     pub synced_at: Option<SystemTime>,
 }
 
-/// How many letters the index of `consumer_group` counts, and when it was
-/// last synced.
+/// How many letters the index of `consumer_group` counts, per reason, and
+/// when it was last synced.
 pub(super) async fn totals(
     client: &impl GenericClient,
     consumer_group: &str,
 ) -> Result<IndexTotals, tokio_postgres::Error> {
-    let row = client
-        .query_one(
-            "SELECT (SELECT coalesce(sum(copies), 0)::bigint FROM mq_dead_letter \
-                     WHERE consumer_group = $1), \
-                    (SELECT synced_at FROM mq_dead_letter_sync WHERE consumer_group = $1)",
+    let rows = client
+        .query(
+            "SELECT reason, sum(copies)::bigint FROM mq_dead_letter \
+             WHERE consumer_group = $1 GROUP BY reason",
             &[&consumer_group],
         )
         .await?;
-    Ok(IndexTotals {
-        letters: row.try_get(0)?,
-        synced_at: row.try_get(1)?,
-    })
+    let mut totals = IndexTotals::default();
+    for row in rows {
+        let letters: i64 = row.try_get(1)?;
+        totals.letters += letters;
+        totals.reasons.insert(row.try_get(0)?, letters);
+    }
+    totals.synced_at = client
+        .query_opt(
+            "SELECT synced_at FROM mq_dead_letter_sync WHERE consumer_group = $1",
+            &[&consumer_group],
+        )
+        .await?
+        .map(|row| row.try_get(0))
+        .transpose()?;
+    Ok(totals)
 }
 
 /// Which rows a summary counts; every part must hold (as `dlq::Filter`).

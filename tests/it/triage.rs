@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use lapin::options::{BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::options::{BasicConsumeOptions, BasicGetOptions, BasicQosOptions, BasicRejectOptions};
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
@@ -529,5 +529,207 @@ async fn two_dead_copies_of_one_event_both_match_its_error() -> anyhow::Result<(
     let _ = std::fs::remove_file(&file);
     assert_eq!(discarded?.discarded.len(), 2);
     assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    Ok(())
+}
+
+/// The dead-letter index of `env`'s group: each row's key, reason, count of
+/// failures, whether its body is invalid, and copies, by key.
+async fn index_rows(env: &TestEnv) -> anyhow::Result<Vec<(String, String, i32, bool, i32)>> {
+    let client = env.pool.get().await?;
+    let rows = client
+        .query(
+            "SELECT letter_key, reason, failures, invalid, copies FROM mq_dead_letter \
+             WHERE consumer_group = $1 ORDER BY letter_key",
+            &[&GROUP],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4)))
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_follows_the_queue_through_the_worker_a_sync_a_replay_and_a_discard()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    let letters = dead_letters_of_every_kind(&env).await?;
+    let event = |id: &str| format!("event {id}");
+
+    // The worker indexed the five it dead-lettered, each with the ledger's
+    // count; the two that consumers rejected by hand it never saw.
+    let rows = index_rows(&env).await?;
+    let bodies: Vec<_> = rows
+        .iter()
+        .filter(|row| row.0.starts_with("body "))
+        .collect();
+    assert_eq!(bodies.len(), letters.invalid.len(), "{rows:?}");
+    assert!(
+        bodies
+            .iter()
+            .all(|row| row.1 == "rejected" && row.2 == 0 && row.3 && row.4 == 1),
+        "{rows:?}"
+    );
+    for poisoned in &letters.poisoned {
+        assert!(
+            rows.contains(&(event(&poisoned.event_id), "rejected".into(), 2, false, 1)),
+            "{rows:?}"
+        );
+    }
+    assert_eq!(rows.len(), 5, "{rows:?}");
+
+    // A status reads the index and says where it and the queue differ.
+    let (code, stdout) = idem(&env, &["status"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(
+            "dead letters       rejected 5 (by the index, never synced; the dead-letter queue \
+             holds 7 ready: `idem dlq sync` sets the index to it)"
+        ),
+        "{stdout}"
+    );
+
+    // A row whose letter is gone (as after a purge), and a sync: the index
+    // is what the queue holds, which it leaves as it was.
+    env.sql(&format!(
+        "INSERT INTO mq_dead_letter (consumer_group, letter_key, event_id, queue, reason, \
+             failures, invalid, copies, dead_at) \
+         VALUES ('{GROUP}', 'event ghost', 'ghost', 'q', 'rejected', 0, false, 1, now())"
+    ))
+    .await?;
+    let (code, stdout) = idem(&env, &["dlq", "sync"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "synced the dead-letter index with {dead_letters}: 7 letter(s) found, 1 row(s) of \
+             letters no longer there removed"
+        )),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&dead_letters).await?, 7);
+    let rows = index_rows(&env).await?;
+    assert_eq!(rows.len(), 7, "{rows:?}");
+    assert!(!rows.iter().any(|row| row.0 == "event ghost"), "{rows:?}");
+    assert!(
+        rows.contains(&(
+            event(&letters.over_the_limit.event_id),
+            "delivery_limit".into(),
+            0,
+            false,
+            1
+        )),
+        "{rows:?}"
+    );
+    assert!(
+        rows.contains(&(
+            event(&letters.applied.event_id),
+            "rejected".into(),
+            0,
+            false,
+            1
+        )),
+        "{rows:?}"
+    );
+    // What the worker had indexed kept the ledger's count.
+    for poisoned in &letters.poisoned {
+        assert!(
+            rows.contains(&(event(&poisoned.event_id), "rejected".into(), 2, false, 1)),
+            "{rows:?}"
+        );
+    }
+    let (code, stdout) = idem(&env, &["status"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(
+            "dead letters       delivery_limit 1, rejected 6 (by the index, last synced 20"
+        ),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("dlq sync"), "{stdout}");
+
+    // A replay and a discard take what they acked off the index.
+    let replayed = &letters.poisoned[0].event_id;
+    let (code, stdout) = idem(&env, &["dlq", "replay", "--event-id", replayed]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    let rows = index_rows(&env).await?;
+    assert!(!rows.iter().any(|row| row.0 == event(replayed)), "{rows:?}");
+    let file = std::env::temp_dir().join(format!("{}-discarded.jsonl", unique_name()));
+    let _remove = Removed(file.clone());
+    let to = file.display().to_string();
+    let (code, stdout) = idem(&env, &["dlq", "discard", "--invalid", "--to", &to]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    let rows = index_rows(&env).await?;
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    assert!(!rows.iter().any(|row| row.3), "{rows:?}");
+    assert_eq!(env.ready(&dead_letters).await?, 3);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_summary_count_from_the_index_and_take_no_letter_off_the_queue()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    env.poison_order("poison-order").await?;
+    let mut bodies = vec![b"not json".to_vec(), b"{}".to_vec()];
+    bodies.extend((0..3).map(|i| {
+        PaymentSucceeded {
+            event_id: format!("{}-poisoned-{i}", env.name),
+            order_id: "poison-order".into(),
+            points: 1,
+        }
+        .to_body()
+    }));
+    env.publish_bodies(&bodies).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 2;
+    let worker = RunningWorker::start(config);
+    wait_for("the dead letters", Duration::from_secs(30), || async {
+        Ok(env.ready(&dead_letters).await? == 5)
+    })
+    .await?;
+    worker.stop().await?;
+
+    let (code, stdout) = idem(&env, &["status"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains("dead letters       rejected 5 (by the index, never synced)"),
+        "{stdout}"
+    );
+    let (code, stdout) = idem(&env, &["dlq", "summary", "--error", "poisoned"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.starts_with(&format!(
+            "3 of 5 dead-lettered message(s) in {dead_letters} match"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("a replay would apply 3, find 0 applied already; 0 invalid or unknown"),
+        "{stdout}"
+    );
+
+    // Neither took a letter off the queue: each is delivered now for the
+    // first time (a browse gives back every letter it takes, redelivered).
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    let mut first_deliveries = 0;
+    while let Some(message) = channel
+        .basic_get(
+            dead_letters.as_str().into(),
+            BasicGetOptions { no_ack: false },
+        )
+        .await?
+    {
+        assert!(
+            !message.delivery.redelivered,
+            "taken off the queue before: {}",
+            String::from_utf8_lossy(&message.delivery.data)
+        );
+        first_deliveries += 1;
+    }
+    assert_eq!(first_deliveries, 5);
+    connection.close(200, "OK".into()).await?;
     Ok(())
 }
