@@ -40,3 +40,51 @@ CREATE TABLE mq_dead_letter_sync (
     synced_at      TIMESTAMPTZ NOT NULL,
     letters        BIGINT      NOT NULL
 );
+
+-- The letters of each group per reason, kept by the triggers below in the
+-- statement that changes the index: a status reads a row per reason,
+-- however many letters there are.
+CREATE TABLE mq_dead_letter_tally (
+    consumer_group VARCHAR(64) COLLATE "C" NOT NULL,
+    reason         VARCHAR(64) NOT NULL,
+    letters        BIGINT      NOT NULL,
+    PRIMARY KEY (consumer_group, reason)
+);
+
+CREATE FUNCTION mq_dead_letter_tally() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'INSERT' THEN
+        INSERT INTO mq_dead_letter_tally AS tally (consumer_group, reason, letters)
+        SELECT consumer_group, reason, sum(copies) FROM new_rows
+        GROUP BY 1, 2 ORDER BY 1, 2
+        ON CONFLICT (consumer_group, reason)
+        DO UPDATE SET letters = tally.letters + EXCLUDED.letters;
+    ELSIF TG_OP = 'UPDATE' THEN
+        INSERT INTO mq_dead_letter_tally AS tally (consumer_group, reason, letters)
+        SELECT consumer_group, reason, sum(copies) FROM (
+            SELECT consumer_group, reason, copies FROM new_rows
+            UNION ALL
+            SELECT consumer_group, reason, -copies FROM old_rows) AS changed
+        GROUP BY 1, 2 ORDER BY 1, 2
+        ON CONFLICT (consumer_group, reason)
+        DO UPDATE SET letters = tally.letters + EXCLUDED.letters;
+    ELSE
+        INSERT INTO mq_dead_letter_tally AS tally (consumer_group, reason, letters)
+        SELECT consumer_group, reason, -sum(copies) FROM old_rows
+        GROUP BY 1, 2 ORDER BY 1, 2
+        ON CONFLICT (consumer_group, reason)
+        DO UPDATE SET letters = tally.letters + EXCLUDED.letters;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER mq_dead_letter_tally_insert AFTER INSERT ON mq_dead_letter
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION mq_dead_letter_tally();
+CREATE TRIGGER mq_dead_letter_tally_update AFTER UPDATE ON mq_dead_letter
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION mq_dead_letter_tally();
+CREATE TRIGGER mq_dead_letter_tally_delete AFTER DELETE ON mq_dead_letter
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION mq_dead_letter_tally();

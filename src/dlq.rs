@@ -1147,34 +1147,6 @@ impl fmt::Display for Entry {
 }
 
 impl Report {
-    /// The listing's counts: per reason, per last error, oldest and newest.
-    pub fn summary(&self) -> Summary {
-        let mut summary = Summary::default();
-        for entry in &self.listed {
-            let reason = entry
-                .death
-                .as_ref()
-                .map_or_else(|| NO_DEATH.to_owned(), |d| d.reason.clone());
-            *summary.reasons.entry(reason).or_default() += 1;
-            let error = match (&entry.failures, &entry.invalid) {
-                (Some(failures), _) => failures.last_error.clone(),
-                (None, Some(_)) => "(invalid body)".to_owned(),
-                (None, None) => "(no failure recorded)".to_owned(),
-            };
-            *summary.errors.entry(error).or_default() += 1;
-            if let Some(time) = entry.death.as_ref().and_then(|d| d.time) {
-                summary.oldest = Some(summary.oldest.map_or(time, |t| t.min(time)));
-                summary.newest = Some(summary.newest.map_or(time, |t| t.max(time)));
-            }
-            match entry.applied {
-                Some(false) => summary.would_apply += 1,
-                Some(true) => summary.applied += 1,
-                None => summary.unknown += 1,
-            }
-        }
-        summary
-    }
-
     /// The dead letters replayed, per queue they went back to.
     pub fn replayed_per_queue(&self) -> BTreeMap<&str, usize> {
         let mut queues = BTreeMap::new();
@@ -1187,31 +1159,14 @@ impl Report {
     }
 }
 
-/// A listing counted.
-#[derive(Debug, Default)]
-pub struct Summary {
-    /// Dead letters per reason of their latest death.
-    pub reasons: BTreeMap<String, usize>,
-    /// Dead letters per last error (or invalid body).
-    pub errors: BTreeMap<String, usize>,
-    /// The oldest death, in seconds since the Unix epoch.
-    pub oldest: Option<u64>,
-    /// The newest death.
-    pub newest: Option<u64>,
-    /// Valid events no consume record holds: a replay would apply them.
-    pub would_apply: usize,
-    /// Valid events applied already: a replay would be a duplicate.
-    pub applied: usize,
-    /// Invalid bodies, or events the database could not tell about.
-    pub unknown: usize,
-}
-
-/// How a report is printed: a listing, or its summary.
+/// What `idem dlq` shows: a report of [`run`], or the counts of
+/// [`summary`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum View {
-    /// One entry per line.
+    /// A report, one entry per line.
     Listing,
-    /// Counts only.
+    /// Counts only, from the dead-letter index ([`summary`]); a [`Printed`]
+    /// report shows its entries whatever the view.
     Summary,
 }
 
@@ -1257,8 +1212,6 @@ impl fmt::Display for Printed<'_> {
             )?;
         } else if let Some(synced) = &report.synced {
             write!(f, "{}", SyncedIn(&report.queue, synced))?;
-        } else if self.view == View::Summary {
-            summarize(f, report)?;
         } else {
             write!(
                 f,
@@ -1303,44 +1256,6 @@ impl fmt::Display for Printed<'_> {
         }
         Ok(())
     }
-}
-
-fn summarize(f: &mut fmt::Formatter<'_>, report: &Report) -> fmt::Result {
-    let summary = report.summary();
-    write!(
-        f,
-        "{} of {} dead-lettered message(s) in {} match",
-        report.listed.len(),
-        report.seen,
-        printable(&report.queue)
-    )?;
-    fn counted(counts: &BTreeMap<String, usize>) -> Vec<(&String, &usize)> {
-        let mut counts: Vec<(&String, &usize)> = counts.iter().collect();
-        counts.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-        counts
-    }
-    let reasons: Vec<String> = counted(&summary.reasons)
-        .into_iter()
-        .map(|(reason, n)| format!("{} {n}", printable(reason)))
-        .collect();
-    write!(f, "\n  by reason: {}", reasons.join(", "))?;
-    write!(f, "\n  by last error:")?;
-    for (error, n) in counted(&summary.errors) {
-        write!(f, "\n    {n:>6}  {}", printable(error))?;
-    }
-    if let (Some(oldest), Some(newest)) = (summary.oldest, summary.newest) {
-        write!(
-            f,
-            "\n  oldest {}, newest {}",
-            rfc3339(oldest),
-            rfc3339(newest)
-        )?;
-    }
-    write!(
-        f,
-        "\n  a replay would apply {}, find {} applied already; {} invalid or unknown",
-        summary.would_apply, summary.applied, summary.unknown
-    )
 }
 
 #[cfg(test)]

@@ -14,6 +14,11 @@ use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
 use crate::store::{DatabaseConfig, IndexTotals, ReadyError, Store};
 
+/// How many failure ledger rows a status looks at, at most: every dead
+/// letter has one, and a status should cost the same with a million as
+/// with ten.
+pub const LEDGER_LOOK: i64 = 1_000;
+
 /// Whose status.
 #[derive(Debug, Clone)]
 pub struct StatusConfig {
@@ -49,8 +54,9 @@ pub struct Status {
     pub records: (i64, Option<SystemTime>),
     /// The consume records' epochs (of every group in the schema).
     pub epochs: EpochSummary,
-    /// Events of the group the failure ledger holds.
-    pub failing: i64,
+    /// Events of the group the failure ledger holds, counted up to
+    /// [`LEDGER_LOOK`]; `true` when it holds more.
+    pub failing: (i64, bool),
     /// The dead letters the index counts, per reason of their death, and
     /// when it was last synced.
     pub index: IndexTotals,
@@ -76,7 +82,7 @@ pub async fn run<H: Handler>(
     }
     let records = store.records().await?;
     let epochs = retention::summary(&*store.pool().get().await?).await?;
-    let failing = store.failing().await?;
+    let failing = store.failing(LEDGER_LOOK).await?;
     let connection =
         connect_with_retry(&config.amqp, "idem status", config.patience, shutdown).await?;
     let mut queues = Vec::new();
@@ -148,7 +154,14 @@ impl fmt::Display for Status {
             "  epochs             {epochs} ({filtered} closed with a filter; the current one has \
              handed out about {current_records} record ids, duplicates and rollbacks included)"
         )?;
-        writeln!(f, "  failure ledger     {} event(s) failing", self.failing)?;
+        match self.failing {
+            (failing, false) => writeln!(f, "  failure ledger     {failing} event(s) failing")?,
+            (failing, true) => writeln!(
+                f,
+                "  failure ledger     {failing} or more event(s) failing (`idem dlq summary` \
+                 counts those dead-lettered)"
+            )?,
+        }
         let reasons: Vec<String> = self
             .index
             .reasons

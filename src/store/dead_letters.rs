@@ -128,12 +128,15 @@ pub(super) async fn write(
     let invalid: Vec<bool> = rows.iter().map(|(l, _)| l.invalid).collect();
     let copies: Vec<i32> = rows.iter().map(|(_, n)| *n).collect();
     let dead_at: Vec<Option<SystemTime>> = rows.iter().map(|(l, _)| l.dead_at).collect();
-    let statement = client.prepare_cached(WRITE).await?;
+    // Planned at each call, not prepared once: a plan made while the
+    // ledger was small (scanning it whole for each letter) would stay with
+    // the connection as the ledger grows, where autovacuum does not analyze
+    // it.
     // No row was touched before 1970: each is added to.
     let reset_before = reset_before.unwrap_or(SystemTime::UNIX_EPOCH);
     client
         .execute(
-            &statement,
+            WRITE,
             &[
                 &consumer_group,
                 &keys,
@@ -160,10 +163,8 @@ pub(super) async fn take(
     if keys.is_empty() {
         return Ok(());
     }
-    let statement = client.prepare_cached(TAKE).await?;
-    client
-        .execute(&statement, &[&consumer_group, &keys])
-        .await?;
+    // Planned at each call, as `write`'s.
+    client.execute(TAKE, &[&consumer_group, &keys]).await?;
     Ok(())
 }
 
@@ -221,8 +222,9 @@ pub(super) async fn totals(
 ) -> Result<IndexTotals, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT reason, sum(copies)::bigint FROM mq_dead_letter \
-             WHERE consumer_group = $1 GROUP BY reason",
+            // The tally the index's triggers keep: a row per reason.
+            "SELECT reason, letters FROM mq_dead_letter_tally \
+             WHERE consumer_group = $1 AND letters <> 0",
             &[&consumer_group],
         )
         .await?;

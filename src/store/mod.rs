@@ -594,21 +594,28 @@ impl Store {
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
-    /// How many events of this consumer group the failure ledger holds.
-    pub async fn failing(&self) -> Result<i64, StoreError> {
+    /// How many events of this consumer group the failure ledger holds,
+    /// looking at no more than `at_most` of its rows (a status costs the
+    /// same whatever the ledger holds); `true` with the count when there
+    /// were more to look at.
+    pub async fn failing(&self, at_most: i64) -> Result<(i64, bool), StoreError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
                 // Not the rows of events recorded since (see `ledger::EXHAUSTED`).
-                "SELECT count(*) FROM mq_failure_ledger \
-                 WHERE consumer_group = $1 AND event_id NOT IN (\
-                     SELECT recorded.event_id FROM mq_recorded(\
-                         ARRAY(SELECT event_id FROM mq_failure_ledger WHERE consumer_group = $1), \
-                         $1) AS recorded)",
-                &[&self.consumer_group],
+                "WITH looked AS MATERIALIZED (\
+                     SELECT event_id FROM mq_failure_ledger WHERE consumer_group = $1 \
+                     LIMIT $2::bigint + 1) \
+                 SELECT count(*) FILTER (WHERE event_id NOT IN (\
+                            SELECT recorded.event_id FROM mq_recorded(\
+                                ARRAY(SELECT event_id FROM looked), $1) AS recorded)), \
+                        count(*) > $2::bigint \
+                 FROM looked",
+                &[&self.consumer_group, &at_most],
             )
             .await?;
-        Ok(row.try_get(0)?)
+        let (count, more): (i64, bool) = (row.try_get(0)?, row.try_get(1)?);
+        Ok((count.min(at_most), more))
     }
 
     /// Which of `event_ids` this consumer group applied already.

@@ -363,7 +363,12 @@ async fn a_ledger_row_of_an_event_applied_since_is_neither_failing_nor_spent() -
         store.record_failure(id, "deadlock detected").await?;
     }
     assert_eq!(store.exhausted(&[id], 3).await?, vec![id.to_owned()]);
-    assert_eq!(store.failing().await?, 1);
+    assert_eq!(store.failing(10).await?, (1, false));
+    // A count that stops where it was told to, and says there was more.
+    store.record_failure("another", "deadlock detected").await?;
+    assert_eq!(store.failing(1).await?, (1, true));
+    assert_eq!(store.failing(2).await?, (2, false));
+    store.reset_ledger(&["another"]).await?;
 
     assert!(applier.apply_first_deliveries(&[&event]).await?.take(id));
     assert_eq!(rows().await?, 1, "a first delivery leaves the ledger alone");
@@ -371,7 +376,7 @@ async fn a_ledger_row_of_an_event_applied_since_is_neither_failing_nor_spent() -
         store.exhausted(&[id], 3).await?.is_empty(),
         "an applied event is not out of attempts: its copies are duplicates"
     );
-    assert_eq!(store.failing().await?, 0, "nor is it failing");
+    assert_eq!(store.failing(10).await?, (0, false), "nor is it failing");
 
     assert!(!applier.apply(&[&event]).await?.take(id), "a duplicate");
     assert_eq!(rows().await?, 0, "a copy that follows an attempt clears it");

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# What `idem status`, `idem dlq summary` and `idem prune` cost as the
+# dead-letter queue grows: each size gets a vhost and a schema of its own
+# on the local servers, filled with that many dead letters by the worker
+# (a trigger fails every transaction, --max-attempts 1), then each command
+# is timed ROUNDS times (median printed) against it. Both are removed at
+# the end.
+#
+#   tests/bench/dead-letters.sh BINARY [SIZE...]      (default sizes: 10 1000000)
+#
+# ROUNDS (default 3) sets the rounds; KEEP=1 leaves the vhosts and schemas
+# (idem-dead-letter-bench-SIZE, idem_dead_letter_bench_SIZE) to look into.
+set -euo pipefail
+binary=$(realpath "$1")
+shift
+sizes=("$@")
+[ ${#sizes[@]} -gt 0 ] || sizes=(10 1000000)
+rounds=${ROUNDS:-3}
+export RUST_LOG=error DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres
+psql() { PGOPTIONS="-c client_min_messages=warning" command psql -q -X -v ON_ERROR_STOP=1 "$DATABASE_URL" "$@"; }
+
+vhosts=() schemas=()
+clean() {
+  for vhost in "${vhosts[@]}"; do rabbitmqctl -q delete_vhost "$vhost" || true; done
+  for schema in "${schemas[@]}"; do psql -c "DROP SCHEMA IF EXISTS $schema CASCADE" || true; done
+}
+[ -n "${KEEP:-}" ] || trap clean EXIT
+
+dead_letters() {
+  rabbitmqctl -q list_queues -p "$vhost" --no-table-headers name messages_ready |
+    awk '$1 == "points.payment-succeeded.dlq" { print $2 }'
+}
+
+# Seconds `idem ARGS…` takes, the median of $rounds runs; its output must
+# say what `expect` says, or the bench stops.
+timed() {
+  local expect=$1 times=() start end out
+  shift
+  for _ in $(seq "$rounds"); do
+    start=$(date +%s.%N)
+    out=$("$binary" "$@" 2>&1) || { echo "idem $*: $out" >&2; exit 1; }
+    end=$(date +%s.%N)
+    grep -qF -- "$expect" <<<"$out" || { echo "idem $*: expected '$expect' in: $out" >&2; exit 1; }
+    times+=("$(echo "$end - $start" | bc -l)")
+  done
+  printf '%s\n' "${times[@]}" | sort -n | awk '{ t[NR] = $1 } END { printf "%.2f", t[int((NR + 1) / 2)] }'
+}
+
+printf '%12s %10s %10s %18s %10s\n' "dead letters" "status s" "summary s" "summary --error s" "prune s"
+for size in "${sizes[@]}"; do
+  vhost=idem-dead-letter-bench-$size
+  export IDEM_SCHEMA=idem_dead_letter_bench_$size
+  export AMQP_URL="amqp://guest:guest@127.0.0.1:5672/$vhost"
+  vhosts+=("$vhost") schemas+=("$IDEM_SCHEMA")
+  rabbitmqctl -q add_vhost "$vhost"
+  rabbitmqctl -q set_permissions -p "$vhost" guest '.*' '.*' '.*'
+  "$binary" migrate >/dev/null
+  psql <<SQL
+CREATE FUNCTION $IDEM_SCHEMA.fail() RETURNS trigger LANGUAGE plpgsql
+  AS \$\$BEGIN RAISE EXCEPTION 'failing on purpose for the dead-letter bench, order %', NEW.order_id; END\$\$;
+CREATE TRIGGER fail BEFORE INSERT OR UPDATE ON $IDEM_SCHEMA.user_points
+  FOR EACH ROW EXECUTE FUNCTION $IDEM_SCHEMA.fail();
+SQL
+  # The worker declares the topology, then dead-letters every event.
+  "$binary" worker --max-attempts 1 &
+  worker=$!
+  until [ -n "$(dead_letters)" ]; do kill -0 "$worker"; sleep 1; done
+  "$binary" publish --count "$size" --duplicate-ratio 0 --orders 100 --seed 1 >/dev/null
+  until [ "$(dead_letters)" = "$size" ]; do
+    kill -0 "$worker" || { echo "the worker died" >&2; exit 1; }
+    sleep 1
+  done
+  kill -TERM "$worker"
+  wait "$worker"
+
+  status=$(timed "dead letters       rejected $size (by the index" status)
+  summary=$(timed "$size of $size dead-lettered message(s)" dlq summary)
+  # One order of the hundred: about a hundredth of the letters.
+  filtered=$(timed "dead-lettered message(s)" dlq summary --error="-order-7 (SQLSTATE")
+  prune=$(timed "removed" prune --older-than 8d)
+  [ "$(dead_letters)" = "$size" ] || { echo "the dead-letter queue lost letters" >&2; exit 1; }
+  printf '%12s %10s %10s %18s %10s\n' "$size" "$status" "$summary" "$filtered" "$prune"
+done
