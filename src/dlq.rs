@@ -274,8 +274,7 @@ pub async fn run_showing<H: Handler>(
     }
 }
 
-/// The dead-letter index of a group beside its queue, synced first when it
-/// has to be.
+/// The dead-letter index of a group beside its queue.
 #[derive(Debug, Clone)]
 pub struct IndexState {
     /// The dead-letter queue.
@@ -284,8 +283,6 @@ pub struct IndexState {
     pub in_queue: Option<u32>,
     /// What the index counts.
     pub totals: IndexTotals,
-    /// The sync run first, if one was.
-    pub synced: Option<Synced>,
 }
 
 impl IndexState {
@@ -302,12 +299,11 @@ impl IndexState {
 }
 
 /// Reads the dead-letter index's totals and the queue's depth (a passive
-/// declare); when the index is [behind](IndexState::behind), syncs it
-/// first (which browses the queue: once, after an upgrade or letters from
-/// elsewhere).
+/// declare); takes no letter off the queue. Whether the index is
+/// [behind](IndexState::behind) is for the caller to say: only a sync
+/// (`idem dlq sync`, which browses every letter) brings it up.
 pub async fn index_state<H: Handler>(
     config: &DlqConfig,
-    handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexState> {
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
@@ -319,19 +315,11 @@ pub async fn index_state<H: Handler>(
         Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
         ready => ready?,
     }
-    let mut state = IndexState {
+    Ok(IndexState {
         queue: config.dead_letter_queue.clone(),
         in_queue: dead_letter_depth(config, shutdown).await?,
         totals: store.dead_letter_totals().await?,
-        synced: None,
-    };
-    if state.behind() {
-        let report = run(config, &Action::Sync, handler, shutdown).await?;
-        state.synced = report.synced;
-        state.totals = store.dead_letter_totals().await?;
-        state.in_queue = dead_letter_depth(config, shutdown).await?;
-    }
-    Ok(state)
+    })
 }
 
 /// The letters ready in the dead-letter queue, by a passive declare;
@@ -351,15 +339,13 @@ async fn dead_letter_depth(
     Ok(counts.map(|(ready, _)| ready))
 }
 
-/// `idem dlq summary`: the dead letters that match, counted from the index
-/// (synced first if it is [behind](IndexState::behind)); the queue is only
-/// counted. A limit does not apply to a count.
+/// `idem dlq summary`: the dead letters that match, counted from the index;
+/// the queue is only counted. A limit does not apply to a count.
 pub async fn summary<H: Handler>(
     config: &DlqConfig,
-    handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexedSummary> {
-    let state = index_state(config, handler, shutdown).await?;
+    let state = index_state::<H>(config, shutdown).await?;
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     let summary = store
         .dead_letter_summary(&IndexFilter::from(&config.filter))
@@ -392,9 +378,6 @@ impl From<&Filter> for IndexFilter {
 impl fmt::Display for IndexedSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let IndexedSummary { state, summary } = self;
-        if let Some(synced) = &state.synced {
-            writeln!(f, "{}", SyncedIn(&state.queue, synced))?;
-        }
         write!(
             f,
             "{} of {} dead-lettered message(s) in {} match",
@@ -403,6 +386,11 @@ impl fmt::Display for IndexedSummary {
             printable(&state.queue)
         )?;
         match state.in_queue {
+            Some(ready) if state.behind() => write!(
+                f,
+                " (by the index; the queue holds {ready} ready, some the index does not know \
+                 of: `idem dlq sync` adds them, browsing every letter)"
+            )?,
             Some(ready) if i64::from(ready) != state.totals.letters => write!(
                 f,
                 " (by the index; the queue holds {ready} ready: `idem dlq sync` sets the index \

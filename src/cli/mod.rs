@@ -556,7 +556,7 @@ async fn dead_letters<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<ExitCode> {
     if view == dlq::View::Summary {
-        println!("{}", dlq::summary(config, handler, shutdown).await?);
+        println!("{}", dlq::summary::<H>(config, shutdown).await?);
         return Ok(ExitCode::SUCCESS);
     }
     let progress = match action {

@@ -87,25 +87,31 @@ pub struct Outcome {
     /// Messages in the work queue, which no worker consumed: every epoch
     /// was kept.
     pub unconsumed: Option<u32>,
+    /// The letters in the dead-letter queue and those the index counts,
+    /// when the queue holds more: every epoch was kept.
+    pub index_behind: Option<(u32, i64)>,
 }
 
 /// Checks the window against the safety rule, then prunes once.
 pub async fn run<H: Handler>(
     settings: &PruneSettings,
-    handler: &H,
+    _handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Outcome> {
     settings.check_window()?;
     // The dead letters an operator may replay: an event among them that
     // this group applied (another copy of it did) keeps its record. They
-    // are read from the dead-letter index, synced with the queue first if
-    // it never was or the queue holds letters it does not count (from an
-    // older idem, or the broker's delivery limit). That waits for the
-    // database first, and says if it is not migrated.
+    // are read from the dead-letter index; where the queue holds letters
+    // the index does not know of (from an older idem, or the broker's
+    // delivery limit), every epoch is kept until a sync. That waits for
+    // the database first, and says if it is not migrated.
     let target = &settings.target;
-    dlq::index_state(target, handler, shutdown)
+    let index = dlq::index_state::<H>(target, shutdown)
         .await
         .context("cannot tell which dead letters were applied, so nothing is pruned")?;
+    let index_behind = index
+        .behind()
+        .then(|| (index.in_queue.unwrap_or(0), index.totals.letters));
     if shutdown.is_cancelled() {
         return Ok(Outcome::default());
     }
@@ -114,12 +120,13 @@ pub async fn run<H: Handler>(
     let unconsumed = unconsumed(settings).await?;
     let pool = store.pool().clone();
     let client = pool.get().await?;
-    let keep_from = match unconsumed {
-        Some(_) => retention::epochs(&client)
+    let keep_from = if unconsumed.is_some() || index_behind.is_some() {
+        retention::epochs(&client)
             .await?
             .first()
-            .map(|epoch| epoch.epoch),
-        None => for_letters,
+            .map(|epoch| epoch.epoch)
+    } else {
+        for_letters
     };
     drop(client);
     let config = PruneConfig {
@@ -135,6 +142,7 @@ pub async fn run<H: Handler>(
         pruned,
         held_back: for_letters.map(|epoch| (epoch, usize::try_from(applied).unwrap_or(usize::MAX))),
         unconsumed,
+        index_behind,
     })
 }
 
@@ -179,6 +187,10 @@ pub async fn keep_pruning<H: Handler>(
                         "pruned the consume records"
                     );
                 }
+                _ if outcome.index_behind.is_some() => tracing::warn!(
+                    %outcome,
+                    "kept every epoch until `idem dlq sync` indexes the dead letters"
+                ),
                 _ => tracing::debug!(%outcome, "nothing to prune"),
             },
             Err(error) => {
@@ -222,6 +234,14 @@ impl std::fmt::Display for Outcome {
                 f,
                 "kept every epoch: {messages} message(s) wait in the work queue and no worker \
                  consumes it, and they may be older than the window"
+            )?;
+        }
+        if let Some((ready, indexed)) = self.index_behind {
+            writeln!(
+                f,
+                "kept every epoch: the dead-letter queue holds {ready} letter(s), the index \
+                 knows of {indexed}; `idem dlq sync` tells which of the others carry events \
+                 applied already"
             )?;
         }
         if let Some((epoch, letters)) = self.held_back {

@@ -157,12 +157,27 @@ async fn run(env: &TestEnv, filter: Filter, action: Action) -> anyhow::Result<Re
 async fn a_summary_counts_dead_letters_per_reason_and_last_error() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let letters = dead_letters_of_every_kind(&env).await?;
+    // Two letters came without idem's worker: the index lacks them, and
+    // the summary says so.
+    let (code, stdout) = idem(&env, &["dlq", "summary"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "5 of 5 dead-lettered message(s) in {} match (by the index; the queue holds 7 \
+             ready, some the index does not know of: `idem dlq sync` adds them",
+            env.topology.dead_letter_queue
+        )),
+        "{stdout}"
+    );
+    let (code, stdout) = idem(&env, &["dlq", "sync"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
     let (code, stdout) = idem(&env, &["dlq", "summary"]).await?;
     assert_eq!(code, Some(0), "{stdout}");
     assert!(
         stdout.contains("7 of 7 dead-lettered message(s)"),
         "{stdout}"
     );
+    assert!(!stdout.contains("dlq sync"), "{stdout}");
     assert!(
         stdout.contains("by reason: rejected 6, delivery_limit 1\n"),
         "{stdout}"
