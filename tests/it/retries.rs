@@ -76,11 +76,14 @@ async fn with_delays(env: &TestEnv, delays: &[Duration]) -> anyhow::Result<Topol
 /// take the time it takes to go round.
 fn assert_spaced(attempts: &[Instant], delays: &[Duration]) {
     let tolerance = patient(Duration::from_millis(1500));
+    // The broker's expiry is not exact to the millisecond: a wait queue
+    // let a message go 6 ms before its 2 s on a loaded host.
+    let early = Duration::from_millis(50);
     for (index, pair) in attempts.windows(2).enumerate() {
         let gap = pair[1] - pair[0];
         let delay = delays[index.min(delays.len() - 1)];
         assert!(
-            gap >= delay && gap < delay + tolerance,
+            gap + early >= delay && gap < delay + tolerance,
             "attempt {} came {gap:?} after the one before, the schedule says {delay:?}",
             index + 2
         );
