@@ -46,7 +46,7 @@ async fn metrics_count_what_was_published_and_the_worker_is_ready(
     let published = (load.len() + invalid.len()) as f64;
     // Scraped while it works, and once it is done.
     wait_for(
-        "every delivery counted",
+        "every delivery counted and acked",
         Duration::from_secs(60),
         || async {
             let (code, page) = http_get(port, "/metrics").await?;
@@ -62,7 +62,12 @@ async fn metrics_count_what_was_published_and_the_worker_is_ready(
                     .unwrap_or(0.0)
                 })
                 .sum();
-            Ok(counted == published)
+            // The last batch is counted at its commit, and leaves the
+            // in-flight gauge and the latency histogram at its ack.
+            let settled = sample(&page, "idem_batches_in_flight", &[]) == Some(0.0)
+                && sample(&page, "idem_end_to_end_latency_seconds_count", &[])
+                    >= Some(load.len() as f64);
+            Ok(counted == published && settled)
         },
     )
     .await?;
