@@ -15,8 +15,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use base64::Engine;
+use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+};
 use lapin::types::{AMQPValue, DeliveryTag, FieldTable};
 use lapin::{BasicProperties, Channel};
 use serde_json::{Value, json};
@@ -519,38 +522,25 @@ impl<H: Handler> Pass<'_, H> {
         };
         // At most what is in the queue when the pass starts: what dies while
         // it runs (a replay that fails again, say) is for the next run.
-        let mut in_queue = None;
+        let mut taking = Taking::start(&getter, &self.config.dead_letter_queue).await?;
+        self.progress.set_total(taking.left as u64);
         while !shutdown.is_cancelled() && self.wanted() != Some(0) {
-            let mut chunk = Vec::new();
             let chunk_size = if matches!(self.action, Action::Sync) {
                 SYNC_CHUNK
             } else {
                 CHUNK
             };
-            while chunk.len() < chunk_size && in_queue != Some(0) {
-                let Some(message) = getter
-                    .basic_get(
-                        self.config.dead_letter_queue.as_str().into(),
-                        BasicGetOptions { no_ack: false },
-                    )
-                    .await?
-                else {
-                    in_queue = Some(0);
-                    break;
-                };
-                let left = in_queue.get_or_insert_with(|| {
-                    let in_queue = message.message_count as usize + 1;
-                    self.progress.set_total(in_queue as u64);
-                    in_queue
-                });
-                *left -= 1;
-                self.report.seen += 1;
-                self.progress.inc(1);
-                chunk.push(self.letter(message.delivery));
-            }
+            let mut chunk: Vec<Letter> = taking
+                .next_chunk(&getter, chunk_size)
+                .await?
+                .into_iter()
+                .map(|delivery| self.letter(delivery))
+                .collect();
             if chunk.is_empty() {
                 break;
             }
+            self.report.seen += chunk.len();
+            self.progress.inc(chunk.len() as u64);
             let matched = match sync_started {
                 Some(started) => {
                     self.index(chunk, started).await?;
@@ -590,10 +580,11 @@ impl<H: Handler> Pass<'_, H> {
                 // Indexed above, whatever the filter.
                 Action::Sync => {}
             }
-            if in_queue == Some(0) {
+            if taking.left == 0 {
                 break;
             }
         }
+        taking.stop(&getter).await?;
         if let Some(started) = sync_started
             && !shutdown.is_cancelled()
         {
@@ -938,6 +929,98 @@ impl Filter {
             .is_none_or(|limit| age(limit) == Some(false));
         let invalid = !self.invalid || entry.invalid.is_some();
         reason && event_id && error && older && newer && invalid
+    }
+}
+
+/// How long a pass waits for a letter before it asks whether the queue
+/// still holds one for it.
+const QUIET: Duration = Duration::from_secs(1);
+
+/// Takes the letters a dead-letter queue holds when a pass starts, through
+/// a consumer without a prefetch limit: the broker sends them as fast as it
+/// reads them, where a `basic.get` costs a round trip per letter (and on a
+/// quorum queue an entry in its log). Every letter taken stays unacked, so
+/// in the queue, until the pass acks it or gives it back; what the consumer
+/// received beyond the count goes back when the channel closes.
+struct Taking {
+    consumer: Option<lapin::Consumer>,
+    queue: String,
+    /// Letters still to take of those in the queue at the start.
+    left: usize,
+}
+
+impl Taking {
+    /// Counts the queue (a passive declare) and, when it holds letters,
+    /// starts consuming it on `channel`.
+    async fn start(channel: &Channel, queue: &str) -> lapin::Result<Self> {
+        let left = ready_messages(channel, queue).await? as usize;
+        let consumer = if left == 0 {
+            None
+        } else {
+            Some(
+                channel
+                    .basic_consume(
+                        queue.into(),
+                        "idem-dlq".into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?,
+            )
+        };
+        Ok(Self {
+            consumer,
+            queue: queue.to_owned(),
+            left,
+        })
+    }
+
+    /// Up to `size` letters: it waits for the first, then takes what has
+    /// arrived. Empty once every letter counted at the start is taken, or
+    /// when none comes and the queue has none ready (another client took
+    /// some meanwhile).
+    async fn next_chunk(&mut self, channel: &Channel, size: usize) -> lapin::Result<Vec<Delivery>> {
+        let mut chunk = Vec::new();
+        let Some(consumer) = &mut self.consumer else {
+            return Ok(chunk);
+        };
+        while chunk.len() < size && self.left > 0 {
+            let next = if chunk.is_empty() {
+                match tokio::time::timeout(QUIET, consumer.next()).await {
+                    Ok(next) => next,
+                    Err(_) if ready_messages(channel, &self.queue).await? == 0 => {
+                        self.left = 0;
+                        break;
+                    }
+                    Err(_) => continue,
+                }
+            } else {
+                match consumer.next().now_or_never() {
+                    Some(next) => next,
+                    None => break,
+                }
+            };
+            let Some(delivery) = next else {
+                return Err(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(
+                    lapin::ChannelState::Closed,
+                    "the dead-letter consumer ended",
+                )));
+            };
+            chunk.push(delivery?);
+            self.left -= 1;
+        }
+        Ok(chunk)
+    }
+
+    /// Cancels the consumer; what it received and the pass did not take
+    /// stays unacked until the pass gives it back or closes the channel.
+    async fn stop(self, channel: &Channel) -> lapin::Result<()> {
+        if let Some(consumer) = self.consumer {
+            channel
+                .basic_cancel(consumer.tag(), BasicCancelOptions::default())
+                .await?;
+        }
+        Ok(())
     }
 }
 
