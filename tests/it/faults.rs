@@ -9,8 +9,8 @@ use idem::points::PaymentSucceeded;
 
 use crate::helpers::{
     GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_host_port, amqp_url,
-    amqp_url_at, amqp_user, assert_exact, database_url, free_port, load, patient, postgres_address,
-    postgres_host_port, wait_for,
+    amqp_url_at, amqp_user, assert_exact, database_url, free_port, idem_command, load, patient,
+    postgres_address, postgres_host_port, run_idem, wait_for,
 };
 use crate::proxy::Proxy;
 use idem::worker::Mode;
@@ -464,6 +464,61 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     expected.sort();
     assert_eq!(replayed, expected);
     Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replay_killed_mid_way_loses_nothing_and_applies_nothing_twice() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let events = env.failed_events(&["killed-a", "killed-b"], 300).await?;
+    let mut replay = WorkerProcess::start({
+        let mut command = idem_command(&env, &amqp_url(), &database_url());
+        command.args(["dlq", "replay", "--rate", "100"]);
+        command
+    })?;
+    wait_for(
+        "the replay to be under way",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
+    )
+    .await?;
+    replay.kill().await?;
+    let replayed = u64::from(env.ready(&env.topology.queue).await?);
+    assert!(
+        replayed < events.len() as u64,
+        "killed mid-way, not after {replayed} replays; its log:\n{}",
+        replay.log()
+    );
+    // Nothing lost: what the killed replay had not acked is a dead letter
+    // still (some perhaps replayed too), ready again once the broker has
+    // seen its connection go, and a second replay takes it.
+    let dead_letters = &env.topology.dead_letter_queue;
+    wait_for(
+        "the killed replay's letters back in the queue",
+        Duration::from_secs(60),
+        || async {
+            // Ready letters the statistics (seconds behind) count too: the
+            // consumer that held them is gone.
+            let ready = env.ready(dead_letters).await?;
+            Ok(ready > 0 && u64::from(ready) == env.messages(dead_letters)?)
+        },
+    )
+    .await?;
+    let again = run_idem(&env, &["dlq", "replay"]).await?;
+    assert_eq!(again.code, Some(0), "{}{}", again.stdout, again.stderr);
+    // The broker's queue statistics lag behind by seconds: the count of
+    // what is left is read once they agree with the queue's own count.
+    wait_for(
+        "the dead-letter queue empty",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(dead_letters).await? == 0 && env.messages(dead_letters)? == 0) },
+    )
+    .await?;
+    // Nothing twice: a letter replayed by both runs is absorbed by its
+    // consume record.
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_applied(&env, &events, Duration::from_secs(60)).await?;
+    worker.stop().await?;
+    assert_exact(&env, &events, &[]).await
 }
 
 /// What the worker is doing when the broker goes too.

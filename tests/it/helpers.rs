@@ -633,6 +633,77 @@ impl TestEnv {
         .await
     }
 
+    /// Fills the dead-letter queue with `per_order` events of each of
+    /// `orders`, each dead-lettered on its first failure by a per-message
+    /// worker (a trigger fails every order's points with `order <id>
+    /// failed`, and is dropped after): what a bad deploy leaves behind.
+    /// Returns the events as published.
+    pub async fn failed_events(
+        &self,
+        orders: &[&str],
+        per_order: usize,
+    ) -> anyhow::Result<Vec<PaymentSucceeded>> {
+        self.sql(
+            "CREATE FUNCTION fail_every_order() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN RAISE EXCEPTION 'order % failed', NEW.order_id; END $$;
+             CREATE TRIGGER fail_every_order BEFORE INSERT OR UPDATE ON user_points
+                 FOR EACH ROW EXECUTE FUNCTION fail_every_order();",
+        )
+        .await?;
+        let events: Vec<PaymentSucceeded> = (0..per_order)
+            .flat_map(|i| {
+                orders.iter().map(move |order| PaymentSucceeded {
+                    event_id: format!("{}-{order}-{i}", self.name),
+                    order_id: (*order).to_owned(),
+                    points: 1,
+                })
+            })
+            .collect();
+        self.publish_events(&events).await?;
+        let mut config = self.worker_config(Mode::PerMessage);
+        config.max_attempts = 1;
+        let worker = RunningWorker::start(config);
+        wait_for(
+            "every event dead-lettered",
+            Duration::from_secs(120),
+            || async {
+                Ok(self.ready(&self.topology.dead_letter_queue).await? as usize == events.len())
+            },
+        )
+        .await?;
+        worker.stop().await?;
+        self.sql("DROP TRIGGER fail_every_order ON user_points")
+            .await?;
+        Ok(events)
+    }
+
+    /// The messages in `queue`, ready or delivered and not acked yet, as
+    /// `rabbitmqctl list_queues` counts them (vhost `/`): from the queue's
+    /// statistics, which lag seconds behind it.
+    pub fn messages(&self, queue: &str) -> anyhow::Result<u64> {
+        let output = rabbitmqctl()
+            .args([
+                "list_queues",
+                "-q",
+                "-p",
+                "/",
+                "--no-table-headers",
+                "name",
+                "messages",
+            ])
+            .output()
+            .context("running rabbitmqctl")?;
+        anyhow::ensure!(output.status.success(), "rabbitmqctl list_queues failed");
+        let listing = String::from_utf8_lossy(&output.stdout);
+        listing
+            .lines()
+            .find_map(|line| {
+                let mut words = line.split_whitespace();
+                (words.next() == Some(queue)).then(|| words.next()?.parse().ok())?
+            })
+            .with_context(|| format!("queue {queue} is not in: {listing}"))
+    }
+
     /// How many transactions `poison_order` failed.
     pub async fn poisoned_attempts(&self) -> anyhow::Result<i64> {
         let client = self.pool.get().await?;
