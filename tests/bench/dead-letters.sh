@@ -3,8 +3,9 @@
 # dead-letter queue grows: each size gets a vhost and a schema of its own
 # on the local servers, filled with that many dead letters by the worker
 # (a trigger fails every transaction, --max-attempts 1), then each command
-# is timed ROUNDS times (median printed) against it. Both are removed at
-# the end.
+# is timed ROUNDS times (median printed) against it; last, once, a replay
+# of the letters of one order in a thousand (`--error`), checked to have
+# moved exactly those to the work queue. Both are removed at the end.
 #
 #   tests/bench/dead-letters.sh BINARY [SIZE...]      (default sizes: 10 1000000)
 #
@@ -26,10 +27,11 @@ clean() {
 }
 [ -n "${KEEP:-}" ] || trap clean EXIT
 
-dead_letters() {
+ready() { # queue
   rabbitmqctl -q list_queues -p "$vhost" --no-table-headers name messages_ready |
-    awk '$1 == "points.payment-succeeded.dlq" { print $2 }'
+    awk -v queue="$1" '$1 == queue { print $2 }'
 }
+dead_letters() { ready points.payment-succeeded.dlq; }
 
 # Seconds `idem ARGS…` takes, the median of $rounds runs; its output must
 # say what `expect` says, or the bench stops.
@@ -46,7 +48,8 @@ timed() {
   printf '%s\n' "${times[@]}" | sort -n | awk '{ t[NR] = $1 } END { printf "%.2f", t[int((NR + 1) / 2)] }'
 }
 
-printf '%12s %10s %10s %18s %10s\n' "dead letters" "status s" "summary s" "summary --error s" "prune s"
+columns='%12s %10s %10s %18s %10s %8s %18s\n'
+printf "$columns" "dead letters" "status s" "summary s" "summary --error s" "prune s" "sync s" "replay --error s"
 for size in "${sizes[@]}"; do
   vhost=idem-dead-letter-bench-$size
   export IDEM_SCHEMA=idem_dead_letter_bench_$size
@@ -65,7 +68,7 @@ SQL
   "$binary" worker --max-attempts 1 &
   worker=$!
   until [ -n "$(dead_letters)" ]; do kill -0 "$worker"; sleep 1; done
-  "$binary" publish --count "$size" --duplicate-ratio 0 --orders 100 --seed 1 >/dev/null
+  "$binary" publish --count "$size" --duplicate-ratio 0 --orders 1000 --seed 1 >/dev/null
   until [ "$(dead_letters)" = "$size" ]; do
     kill -0 "$worker" || { echo "the worker died" >&2; exit 1; }
     sleep 1
@@ -75,9 +78,23 @@ SQL
 
   status=$(timed "dead letters       rejected $size (by the index" status)
   summary=$(timed "$size of $size dead-lettered message(s)" dlq summary)
-  # One order of the hundred: about a hundredth of the letters.
+  # One order of the thousand: about a thousandth of the letters.
   filtered=$(timed "dead-lettered message(s)" dlq summary --error="-order-7 (SQLSTATE")
   prune=$(timed "removed" prune --older-than 8d)
+  sync=$(timed "synced" dlq sync)
   [ "$(dead_letters)" = "$size" ] || { echo "the dead-letter queue lost letters" >&2; exit 1; }
-  printf '%12s %10s %10s %18s %10s\n' "$size" "$status" "$summary" "$filtered" "$prune"
+  matching=$(psql -tA -c "SELECT coalesce(sum(copies), 0) FROM $IDEM_SCHEMA.mq_dead_letter WHERE last_error LIKE '%-order-7 (SQLSTATE%'")
+  [ "$matching" -gt 0 ] || { printf "$columns" "$size" "$status" "$summary" "$filtered" "$prune" "$sync" "-"; continue; }
+  start=$(date +%s.%N)
+  out=$("$binary" dlq replay --error="-order-7 (SQLSTATE" 2>&1) || { echo "idem dlq replay: $out" >&2; exit 1; }
+  replay=$(printf '%.2f' "$(echo "$(date +%s.%N) - $start" | bc -l)")
+  grep -qF "replayed $matching message(s)" <<<"$out" || { echo "expected $matching replays in: $out" >&2; exit 1; }
+  # The statistics lag behind the queues by seconds.
+  for _ in $(seq 60); do
+    [ "$(dead_letters)" = "$((size - matching))" ] && [ "$(ready points.payment-succeeded)" = "$matching" ] && break
+    sleep 1
+  done
+  [ "$(dead_letters)" = "$((size - matching))" ] || { echo "the replay left $(dead_letters) letters, not $((size - matching))" >&2; exit 1; }
+  [ "$(ready points.payment-succeeded)" = "$matching" ] || { echo "the replay sent $(ready points.payment-succeeded), not $matching" >&2; exit 1; }
+  printf "$columns" "$size" "$status" "$summary" "$filtered" "$prune" "$sync" "$replay ($matching)"
 done
