@@ -158,6 +158,13 @@ pub struct Report {
     /// Why the dead-letter index could not be told of what was replayed or
     /// discarded, if it could not (the next sync mends it).
     pub index_stale: Option<String>,
+    /// Letters left in the queue by moving them to its tail (a copy,
+    /// confirmed, then the original acked) so as to hold no more than a
+    /// quorum queue hands out unacked.
+    pub moved_to_tail: usize,
+    /// Why the run stopped before the end of the queue, if it did: letters
+    /// it could not move to the tail.
+    pub stopped_early: Option<String>,
 }
 
 /// What a sync did to the dead-letter index.
@@ -172,7 +179,7 @@ pub struct Synced {
 impl Report {
     /// True when everything that was attempted succeeded.
     pub fn succeeded(&self) -> bool {
-        self.failed.is_empty()
+        self.failed.is_empty() && self.stopped_early.is_none()
     }
 }
 
@@ -469,6 +476,11 @@ const CHUNK: usize = 128;
 /// Most dead letters a sync indexes in one statement.
 const SYNC_CHUNK: usize = 1000;
 
+/// Most letters a pass holds unacked while it goes on taking more: a
+/// quorum queue sends a consumer without a prefetch limit no more than 2,000
+/// unacked messages, and a sync chunk adds up to [`SYNC_CHUNK`] on top.
+const HOLD: usize = 500;
+
 /// The reason shown for a letter without an `x-death` header.
 const NO_DEATH: &str = "(no x-death header)";
 
@@ -477,6 +489,24 @@ struct Letter {
     tag: DeliveryTag,
     delivery: Delivery,
     entry: Entry,
+}
+
+/// A letter taken from the queue that the pass leaves there: given back at
+/// the end, or moved to the tail of the queue when too many are held.
+struct Kept {
+    tag: DeliveryTag,
+    body: Vec<u8>,
+    properties: BasicProperties,
+}
+
+impl From<Delivery> for Kept {
+    fn from(delivery: Delivery) -> Self {
+        Self {
+            tag: delivery.delivery_tag,
+            body: delivery.data,
+            properties: delivery.properties,
+        }
+    }
 }
 
 /// One connection's worth of work.
@@ -489,8 +519,9 @@ struct Pass<'a, H> {
     discards: Option<&'a mut std::fs::File>,
     report: &'a mut Report,
     nacks: &'a mut Nacks,
-    /// Tags of messages taken but left in the queue.
-    held: Vec<DeliveryTag>,
+    /// Letters taken but left in the queue, at most [`HOLD`] of them
+    /// between chunks.
+    held: Vec<Kept>,
 }
 
 impl<H: Handler> Pass<'_, H> {
@@ -511,6 +542,7 @@ impl<H: Handler> Pass<'_, H> {
         self.report.failed.clear();
         self.report.skipped_invalid = 0;
         let mut pacer = self.action.pacer();
+        let mut mover: Option<ConfirmChannel> = None;
         // A sync counts again from its own start: what an earlier pass
         // wrote is set, not added to.
         let sync_started = match self.action {
@@ -554,8 +586,8 @@ impl<H: Handler> Pass<'_, H> {
             match self.action {
                 Action::List => {
                     for letter in matched {
-                        self.held.push(letter.tag);
-                        self.report.listed.push(letter.entry);
+                        self.report.listed.push(letter.entry.clone());
+                        self.held.push(letter.delivery.into());
                     }
                 }
                 Action::Replay {
@@ -569,7 +601,8 @@ impl<H: Handler> Pass<'_, H> {
                         replay.extend(invalid);
                     } else {
                         self.report.skipped_invalid += invalid.len();
-                        self.held.extend(invalid.iter().map(|letter| letter.tag));
+                        self.held
+                            .extend(invalid.into_iter().map(|letter| letter.delivery.into()));
                     }
                     if let Some(publisher) = &mut publisher {
                         self.replay(&getter, connection, publisher, replay, &mut pacer, shutdown)
@@ -583,10 +616,21 @@ impl<H: Handler> Pass<'_, H> {
             if taking.left == 0 {
                 break;
             }
+            if self.held.len() >= HOLD {
+                let mover = match &mut mover {
+                    Some(mover) => mover,
+                    None => mover.insert(ConfirmChannel::open(connection).await?),
+                };
+                self.move_to_tail(&getter, mover).await?;
+                if self.held.len() >= HOLD {
+                    break;
+                }
+            }
         }
         taking.stop(&getter).await?;
         if let Some(started) = sync_started
             && !shutdown.is_cancelled()
+            && self.report.stopped_early.is_none()
         {
             let letters = i64::try_from(self.report.seen).unwrap_or(i64::MAX);
             let removed = self.store.dead_letters_synced(started, letters).await?;
@@ -604,10 +648,10 @@ impl<H: Handler> Pass<'_, H> {
                 )
                 .await?
             {
-                self.held.push(message.delivery.delivery_tag);
+                self.held.push(message.delivery.into());
             }
         }
-        if let Some(&last) = self.held.iter().max() {
+        if let Some(last) = self.held.iter().map(|kept| kept.tag).max() {
             // Give back what was listed, skipped or not replayed (in place
             // on 4.x; 3.10 puts what is given back at the end of a quorum
             // queue).
@@ -622,7 +666,7 @@ impl<H: Handler> Pass<'_, H> {
                 .await?;
         }
         close_channel(&getter).await;
-        if let Some(publisher) = &publisher {
+        for publisher in publisher.iter().chain(&mover) {
             close_channel(publisher.channel()).await;
         }
         self.await_given_back(connection).await
@@ -727,7 +771,7 @@ impl<H: Handler> Pass<'_, H> {
                 wanted = wanted.map(|n| n - 1);
                 matched.push(letter);
             } else {
-                self.held.push(letter.tag);
+                self.held.push(letter.delivery.into());
             }
         }
         matched
@@ -760,16 +804,13 @@ impl<H: Handler> Pass<'_, H> {
                     letter.entry,
                     "no x-death header: cannot tell which queue it died in".into(),
                 ));
-                self.held.push(letter.tag);
+                self.held.push(letter.delivery.into());
                 continue;
             };
-            let properties = letter
-                .delivery
-                .properties
+            let original = letter.delivery.properties;
+            let properties = original
                 .clone()
-                .with_headers(replay_headers(
-                    letter.delivery.properties.headers().as_ref(),
-                ));
+                .with_headers(replay_headers(original.headers().as_ref()));
             let message = Outgoing {
                 // The default exchange routes by queue name: the replay goes
                 // to the queue it died in, not to every queue bound for it.
@@ -782,21 +823,21 @@ impl<H: Handler> Pass<'_, H> {
                 pacer.wait().await;
             }
             let confirm = publisher.send(&message).await?;
-            sent.push((letter.tag, letter.entry, message, confirm));
+            sent.push((letter.tag, letter.entry, message, original, confirm));
         }
         loop {
             let replayed = self.report.replayed.len();
             let mut nacked = Vec::new();
             let mut taken = Vec::new();
-            for (tag, entry, message, confirm) in sent {
+            for (tag, entry, message, original, confirm) in sent {
                 match settle(confirm).await? {
                     Ok(()) => {
                         getter.basic_ack(tag, BasicAckOptions::default()).await?;
                         taken.push(entry.key.clone());
                         self.report.replayed.push(entry);
                     }
-                    Err(Refusal::Nacked) => nacked.push((tag, entry, message)),
-                    Err(refusal) => self.not_replayed(tag, entry, &message, &refusal),
+                    Err(Refusal::Nacked) => nacked.push((tag, entry, message, original)),
+                    Err(refusal) => self.not_replayed(tag, entry, message, original, &refusal),
                 }
             }
             self.taken(&taken).await;
@@ -805,8 +846,8 @@ impl<H: Handler> Pass<'_, H> {
             }
             let progressed = self.report.replayed.len() > replayed;
             if !self.nacks.again(nacked.len(), progressed, shutdown).await {
-                for (tag, entry, message) in nacked {
-                    self.not_replayed(tag, entry, &message, &Refusal::Nacked);
+                for (tag, entry, message, original) in nacked {
+                    self.not_replayed(tag, entry, message, original, &Refusal::Nacked);
                 }
                 return Ok(());
             }
@@ -814,20 +855,78 @@ impl<H: Handler> Pass<'_, H> {
             close_channel(publisher.channel()).await;
             *publisher = ConfirmChannel::open(connection).await?;
             sent = Vec::with_capacity(nacked.len());
-            for (tag, entry, message) in nacked {
+            for (tag, entry, message, original) in nacked {
                 let confirm = publisher.send(&message).await?;
-                sent.push((tag, entry, message, confirm));
+                sent.push((tag, entry, message, original, confirm));
             }
         }
     }
 
+    /// Moves the letters held to the tail of the queue, where the pass,
+    /// which stops at the count it started with, does not meet them again:
+    /// a copy of each (body, properties and headers, `x-death` included),
+    /// and once the broker confirmed it, an ack of the original. Killed
+    /// between the two, a letter is in the queue twice; replayed twice, its
+    /// event is applied once. A copy the broker refuses leaves its letter
+    /// held, and the run stops early, saying why.
+    async fn move_to_tail(
+        &mut self,
+        getter: &Channel,
+        mover: &ConfirmChannel,
+    ) -> Result<(), PassError> {
+        let mut sent = Vec::with_capacity(self.held.len());
+        for kept in std::mem::take(&mut self.held) {
+            let message = Outgoing {
+                exchange: String::new(),
+                routing_key: self.config.dead_letter_queue.clone(),
+                body: kept.body,
+                properties: kept.properties,
+            };
+            let confirm = mover.send(&message).await?;
+            sent.push((kept.tag, message, confirm));
+        }
+        for (tag, message, confirm) in sent {
+            match settle(confirm).await? {
+                Ok(()) => {
+                    getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                    self.report.moved_to_tail += 1;
+                }
+                Err(refusal) => {
+                    self.report.stopped_early.get_or_insert_with(|| {
+                        format!(
+                            "a copy of a letter to the tail of the queue {refusal}: too many \
+                             letters held to take more"
+                        )
+                    });
+                    self.held.push(Kept {
+                        tag,
+                        body: message.body,
+                        properties: message.properties,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Leaves a dead letter in its queue, saying why its replay failed.
-    fn not_replayed(&mut self, tag: DeliveryTag, entry: Entry, message: &Outgoing, why: &Refusal) {
+    fn not_replayed(
+        &mut self,
+        tag: DeliveryTag,
+        entry: Entry,
+        message: Outgoing,
+        original: BasicProperties,
+        why: &Refusal,
+    ) {
         self.report.failed.push((
             entry,
             format!("replay to queue '{}' {why}", message.routing_key),
         ));
-        self.held.push(tag);
+        self.held.push(Kept {
+            tag,
+            body: message.body,
+            properties: original,
+        });
     }
 
     /// Writes the letters to the discard file, syncs it, then acks each.
@@ -893,7 +992,8 @@ impl<H: Handler> Pass<'_, H> {
             .collect();
         self.store.sync_dead_letters(&letters, started).await?;
         self.report.synced.get_or_insert_default().indexed += letters.len();
-        self.held.extend(chunk.iter().map(|letter| letter.tag));
+        self.held
+            .extend(chunk.into_iter().map(|letter| letter.delivery.into()));
         Ok(())
     }
 }
@@ -1310,6 +1410,21 @@ impl fmt::Display for Printed<'_> {
             for (entry, why) in &report.failed {
                 write!(f, "\n  {entry}: {}", printable(why))?;
             }
+        }
+        if report.moved_to_tail > 0 {
+            write!(
+                f,
+                "\n  ({} letter(s) left in the queue went to its tail: a pass holds at most {HOLD} \
+                 unacked, and moves the ones it keeps beyond that)",
+                report.moved_to_tail
+            )?;
+        }
+        if let Some(why) = &report.stopped_early {
+            write!(
+                f,
+                "\n  (stopped before the end of the queue: {}; the rest is still there)",
+                printable(why)
+            )?;
         }
         if let Some(error) = &report.index_stale {
             write!(

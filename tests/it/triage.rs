@@ -755,3 +755,60 @@ async fn status_and_summary_count_from_the_index_and_take_no_letter_off_the_queu
     connection.close(200, "OK".into()).await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pass_over_more_letters_than_a_quorum_queue_hands_out_moves_what_it_keeps_to_the_tail()
+-> anyhow::Result<()> {
+    // A quorum queue hands a consumer without a prefetch limit 2,000
+    // unacked messages at most: a pass that held every letter it leaves
+    // would wait for ever on a bigger queue.
+    let env = TestEnv::new().await?;
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    let failed = env.failed_events(&["order-a"], 3).await?;
+    let invalid: Vec<Vec<u8>> = (0..2600)
+        .map(|i| format!("not an event {i}").into_bytes())
+        .collect();
+    env.publish_bodies(&invalid).await?;
+    let total = failed.len() + invalid.len();
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_for(
+        "every body dead-lettered",
+        Duration::from_secs(120),
+        || async { Ok(env.ready(&dead_letters).await? as usize == total) },
+    )
+    .await?;
+    worker.stop().await?;
+
+    let (code, stdout) = idem(&env, &["dlq", "sync"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(&format!("{total} letter(s) found, 0 row(s)")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("went to its tail"), "{stdout}");
+    assert_eq!(env.ready(&dead_letters).await? as usize, total);
+    assert_eq!(index_rows(&env).await?.len(), total);
+
+    // The failed events came first, so the sync moved them: their copies
+    // still say, in `x-death`, which queue they died in.
+    let (code, stdout) = idem(&env, &["dlq", "replay", "--error", "order order-a failed"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "replayed 3 message(s) from {dead_letters} (3 to {})",
+            env.topology.queue
+        )),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&env.topology.queue).await?, 3);
+    wait_for(
+        "the dead-letter queue to hold every letter not replayed",
+        Duration::from_secs(10),
+        || async { Ok(env.ready(&dead_letters).await? as usize == invalid.len()) },
+    )
+    .await?;
+    let rows = index_rows(&env).await?;
+    assert_eq!(rows.len(), invalid.len());
+    assert!(rows.iter().all(|row| row.3), "{rows:?}");
+    Ok(())
+}
