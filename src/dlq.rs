@@ -7,7 +7,7 @@
 //! at any moment, a message is at worst both replayed (or written) and still
 //! dead-lettered; a replayed duplicate is absorbed by the consume record.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
@@ -120,6 +120,10 @@ pub struct Entry {
     pub replays: i64,
     /// What the failure ledger knows of it.
     pub failures: Option<LedgerEntry>,
+    /// The last error the dead-letter index keeps for it, the ledger's when
+    /// it died: what `--error` matches once a replay reset the ledger and
+    /// was cut off before it took the letter.
+    pub indexed_error: Option<String>,
     /// Whether this consumer group applied it already (a replay would only
     /// be acked as a duplicate); unknown for an invalid body or when the
     /// database could not be read.
@@ -481,8 +485,9 @@ const SYNC_CHUNK: usize = 1000;
 /// unacked messages, and a sync chunk adds up to [`SYNC_CHUNK`] on top.
 const HOLD: usize = 500;
 
-/// The reason shown for a letter without an `x-death` header.
-const NO_DEATH: &str = "(no x-death header)";
+/// The reason shown for a letter without a record of its death (`x-death`
+/// or idem's).
+const NO_DEATH: &str = "(no record of its death)";
 
 /// A dead letter taken from the queue, not acked yet.
 struct Letter {
@@ -531,6 +536,8 @@ impl<H: Handler> Pass<'_, H> {
         shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
         let getter = connection.create_channel().await?;
+        // Replays and moves to the tail go on one confirm channel, opened
+        // for the first of either.
         let mut publisher = match self.action {
             Action::Replay { .. } => Some(ConfirmChannel::open(connection).await?),
             _ => None,
@@ -542,7 +549,6 @@ impl<H: Handler> Pass<'_, H> {
         self.report.failed.clear();
         self.report.skipped_invalid = 0;
         let mut pacer = self.action.pacer();
-        let mut mover: Option<ConfirmChannel> = None;
         // A sync counts again from its own start: what an earlier pass
         // wrote is set, not added to.
         let sync_started = match self.action {
@@ -617,11 +623,12 @@ impl<H: Handler> Pass<'_, H> {
                 break;
             }
             if self.held.len() >= HOLD {
-                let mover = match &mut mover {
-                    Some(mover) => mover,
-                    None => mover.insert(ConfirmChannel::open(connection).await?),
+                let publisher = match &mut publisher {
+                    Some(publisher) => publisher,
+                    None => publisher.insert(ConfirmChannel::open(connection).await?),
                 };
-                self.move_to_tail(&getter, mover).await?;
+                self.move_to_tail(&getter, connection, publisher, shutdown)
+                    .await?;
                 if self.held.len() >= HOLD {
                     break;
                 }
@@ -666,7 +673,7 @@ impl<H: Handler> Pass<'_, H> {
                 .await?;
         }
         close_channel(&getter).await;
-        for publisher in publisher.iter().chain(&mover) {
+        if let Some(publisher) = &publisher {
             close_channel(publisher.channel()).await;
         }
         self.await_given_back(connection).await
@@ -719,6 +726,7 @@ impl<H: Handler> Pass<'_, H> {
                 death: Death::latest(headers),
                 replays: replays(headers),
                 failures: None,
+                indexed_error: None,
                 applied: None,
             },
             delivery,
@@ -733,13 +741,21 @@ impl<H: Handler> Pass<'_, H> {
             .iter()
             .filter_map(|letter| letter.entry.event_id.as_deref())
             .collect();
+        let keys: Vec<&str> = chunk
+            .iter()
+            .map(|letter| letter.entry.key.as_str())
+            .collect();
         let found = async {
             let ledger = self.store.ledger_entries(&ids).await?;
             let recorded = self.store.recorded(&ids).await?;
-            Ok::<_, StoreError>((ledger, recorded))
+            let indexed = match self.config.filter.error {
+                Some(_) => self.store.dead_letter_errors(&keys).await?,
+                None => HashMap::new(),
+            };
+            Ok::<_, StoreError>((ledger, recorded, indexed))
         }
         .await;
-        let (ledger, recorded): (HashMap<String, LedgerEntry>, HashSet<String>) = match found {
+        let (ledger, recorded, mut indexed) = match found {
             Ok(found) => found,
             Err(error) => {
                 self.report
@@ -754,6 +770,7 @@ impl<H: Handler> Pass<'_, H> {
                 letter.entry.failures = ledger.get(id).cloned();
                 letter.entry.applied = Some(recorded.contains(id));
             }
+            letter.entry.indexed_error = indexed.remove(&letter.entry.key);
         }
     }
 
@@ -797,12 +814,14 @@ impl<H: Handler> Pass<'_, H> {
             .filter_map(|letter| letter.entry.event_id.as_deref())
             .collect();
         self.store.reset_ledger(&ids).await?;
-        let mut sent = Vec::with_capacity(letters.len());
+        let mut replays = Vec::with_capacity(letters.len());
         for letter in letters {
             let Some(queue) = letter.entry.death.as_ref().map(|d| d.queue.clone()) else {
                 self.report.failed.push((
                     letter.entry,
-                    "no x-death header: cannot tell which queue it died in".into(),
+                    "no record of its death (x-death or idem's): cannot tell which queue it \
+                     died in"
+                        .into(),
                 ));
                 self.held.push(letter.delivery.into());
                 continue;
@@ -819,45 +838,79 @@ impl<H: Handler> Pass<'_, H> {
                 body: letter.delivery.data,
                 properties,
             };
-            if let Some(pacer) = pacer {
+            replays.push(((letter.tag, letter.entry, original), message));
+        }
+        let outcomes = self
+            .send_confirmed(connection, publisher, replays, pacer.as_mut(), shutdown)
+            .await?;
+        let mut taken = Vec::new();
+        for ((tag, entry, original), message, outcome) in outcomes {
+            match outcome {
+                Ok(()) => {
+                    getter.basic_ack(tag, BasicAckOptions::default()).await?;
+                    taken.push(entry.key.clone());
+                    self.report.replayed.push(entry);
+                }
+                Err(refusal) => self.not_replayed(tag, entry, message, original, &refusal),
+            }
+        }
+        self.taken(&taken).await;
+        Ok(())
+    }
+
+    /// Sends each message on `publisher` (at the pacer's rate) and returns
+    /// it, with its item, once the broker confirmed or refused it. What the
+    /// broker nacks goes again on a fresh channel of `connection`, which
+    /// replaces `publisher`, until the broker has confirmed nothing for the
+    /// patience: a nack is often passing (a queue's leader changing, its
+    /// length limit), and a channel that saw one may see nothing else.
+    async fn send_confirmed<T>(
+        &mut self,
+        connection: &lapin::Connection,
+        publisher: &mut ConfirmChannel,
+        items: Vec<(T, Outgoing)>,
+        mut pacer: Option<&mut Pacer>,
+        shutdown: &CancellationToken,
+    ) -> Result<Vec<(T, Outgoing, Result<(), Refusal>)>, PassError> {
+        let mut sent = Vec::with_capacity(items.len());
+        for (item, message) in items {
+            if let Some(pacer) = pacer.as_deref_mut() {
                 pacer.wait().await;
             }
             let confirm = publisher.send(&message).await?;
-            sent.push((letter.tag, letter.entry, message, original, confirm));
+            sent.push((item, message, confirm));
         }
+        let mut done = Vec::with_capacity(sent.len());
         loop {
-            let replayed = self.report.replayed.len();
             let mut nacked = Vec::new();
-            let mut taken = Vec::new();
-            for (tag, entry, message, original, confirm) in sent {
+            let mut progressed = false;
+            for (item, message, confirm) in sent {
                 match settle(confirm).await? {
-                    Ok(()) => {
-                        getter.basic_ack(tag, BasicAckOptions::default()).await?;
-                        taken.push(entry.key.clone());
-                        self.report.replayed.push(entry);
+                    Err(Refusal::Nacked) => nacked.push((item, message)),
+                    outcome => {
+                        progressed |= outcome.is_ok();
+                        done.push((item, message, outcome));
                     }
-                    Err(Refusal::Nacked) => nacked.push((tag, entry, message, original)),
-                    Err(refusal) => self.not_replayed(tag, entry, message, original, &refusal),
                 }
             }
-            self.taken(&taken).await;
             if nacked.is_empty() {
-                return Ok(());
+                return Ok(done);
             }
-            let progressed = self.report.replayed.len() > replayed;
             if !self.nacks.again(nacked.len(), progressed, shutdown).await {
-                for (tag, entry, message, original) in nacked {
-                    self.not_replayed(tag, entry, message, original, &Refusal::Nacked);
-                }
-                return Ok(());
+                done.extend(
+                    nacked
+                        .into_iter()
+                        .map(|(item, message)| (item, message, Err(Refusal::Nacked))),
+                );
+                return Ok(done);
             }
             self.report.nacks_retried += nacked.len();
             close_channel(publisher.channel()).await;
             *publisher = ConfirmChannel::open(connection).await?;
             sent = Vec::with_capacity(nacked.len());
-            for (tag, entry, message, original) in nacked {
+            for (item, message) in nacked {
                 let confirm = publisher.send(&message).await?;
-                sent.push((tag, entry, message, original, confirm));
+                sent.push((item, message, confirm));
             }
         }
     }
@@ -867,26 +920,33 @@ impl<H: Handler> Pass<'_, H> {
     /// a copy of each (body, properties and headers, `x-death` included),
     /// and once the broker confirmed it, an ack of the original. Killed
     /// between the two, a letter is in the queue twice; replayed twice, its
-    /// event is applied once. A copy the broker refuses leaves its letter
-    /// held, and the run stops early, saying why.
+    /// event is applied once. A copy the broker refuses (nacks past the
+    /// patience, returns) leaves its letter held, and the run stops early,
+    /// saying why.
     async fn move_to_tail(
         &mut self,
         getter: &Channel,
-        mover: &ConfirmChannel,
+        connection: &lapin::Connection,
+        publisher: &mut ConfirmChannel,
+        shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
-        let mut sent = Vec::with_capacity(self.held.len());
-        for kept in std::mem::take(&mut self.held) {
-            let message = Outgoing {
-                exchange: String::new(),
-                routing_key: self.config.dead_letter_queue.clone(),
-                body: kept.body,
-                properties: kept.properties,
-            };
-            let confirm = mover.send(&message).await?;
-            sent.push((kept.tag, message, confirm));
-        }
-        for (tag, message, confirm) in sent {
-            match settle(confirm).await? {
+        let copies = std::mem::take(&mut self.held)
+            .into_iter()
+            .map(|kept| {
+                let copy = Outgoing {
+                    exchange: String::new(),
+                    routing_key: self.config.dead_letter_queue.clone(),
+                    body: kept.body,
+                    properties: kept.properties,
+                };
+                (kept.tag, copy)
+            })
+            .collect();
+        let outcomes = self
+            .send_confirmed(connection, publisher, copies, None, shutdown)
+            .await?;
+        for (tag, copy, outcome) in outcomes {
+            match outcome {
                 Ok(()) => {
                     getter.basic_ack(tag, BasicAckOptions::default()).await?;
                     self.report.moved_to_tail += 1;
@@ -900,8 +960,8 @@ impl<H: Handler> Pass<'_, H> {
                     });
                     self.held.push(Kept {
                         tag,
-                        body: message.body,
-                        properties: message.properties,
+                        body: copy.body,
+                        properties: copy.properties,
                     });
                 }
             }
@@ -1015,6 +1075,7 @@ impl Filter {
         let error = self.error.as_ref().is_none_or(|part| {
             let failure = entry.failures.as_ref().map(|f| f.last_error.as_str());
             failure
+                .or(entry.indexed_error.as_deref())
                 .or(entry.invalid.as_deref())
                 .is_some_and(|text| text.contains(part.as_str()))
         });
@@ -1292,7 +1353,7 @@ impl fmt::Display for Entry {
                     write!(f, " at={}", rfc3339(time))?;
                 }
             }
-            None => write!(f, "  (no x-death header)")?,
+            None => write!(f, "  (no record of its death)")?,
         }
         if self.replays > 0 {
             write!(f, " replays={}", self.replays)?;
@@ -1491,6 +1552,7 @@ mod tests {
                 last_failed_at: SystemTime::UNIX_EPOCH,
                 last_error: error.into(),
             }),
+            indexed_error: None,
             applied: Some(false),
         }
     }
@@ -1511,6 +1573,7 @@ mod tests {
             error: Some("poisoned".into()),
             ..Filter::default()
         };
+        let by_error_again = by_error.clone();
         assert_eq!(filter(by_error), (true, false));
         let older = Filter {
             older_than: Some(Duration::from_secs(3600)),
@@ -1533,6 +1596,13 @@ mod tests {
             ..Filter::default()
         };
         assert_eq!(filter(invalid.clone()), (false, false));
+        // Once a replay reset its ledger, the index still says why it died.
+        let replayed_and_cut_off = Entry {
+            failures: None,
+            indexed_error: Some("order 1 is poisoned".into()),
+            ..old.clone()
+        };
+        assert!(by_error_again.matches(&replayed_and_cut_off, now));
         let garbage = Entry {
             event_id: None,
             invalid: Some("not JSON".into()),

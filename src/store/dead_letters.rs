@@ -348,6 +348,25 @@ pub(super) async fn summary(
     Ok(summary)
 }
 
+/// The last error the index holds for each of `keys` that has one.
+pub(super) async fn errors(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    keys: &[&str],
+) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT letter_key, last_error FROM mq_dead_letter \
+             WHERE consumer_group = $1 AND letter_key = ANY($2::varchar[]) \
+               AND last_error IS NOT NULL",
+            &[&consumer_group, &keys],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect()
+}
+
 /// The oldest epoch holding a record of an event of `consumer_group` that
 /// has a dead letter (a replay of it must stay a duplicate), and how many
 /// such events there are.

@@ -647,6 +647,20 @@ impl Store {
         Ok(dead_letters::take(&client, &self.consumer_group, keys).await?)
     }
 
+    /// The last error the dead-letter index keeps for each of `keys` that
+    /// has one: the ledger's when the letter died, kept after a replay
+    /// resets the ledger.
+    pub async fn dead_letter_errors(
+        &self,
+        keys: &[&str],
+    ) -> Result<HashMap<String, String>, StoreError> {
+        if keys.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let client = self.pool.get().await?;
+        Ok(dead_letters::errors(&client, &self.consumer_group, keys).await?)
+    }
+
     /// Indexes letters a sync found, each one copy; a row last touched
     /// before `started` (the sync's start) is set, not added to.
     pub async fn sync_dead_letters(
