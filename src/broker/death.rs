@@ -1,6 +1,11 @@
-//! Reading the broker's `x-death` record of a dead-lettered message, and
-//! the headers a replayed copy carries instead.
+//! The record of a dead-lettered message: the broker's `x-death`, or
+//! idem's own headers when idem made the hop to the dead-letter exchange
+//! itself; and the headers a copy carries when idem publishes a message
+//! again (to wait, to the dead-letter exchange, as a replay).
 
+use std::time::Duration;
+
+use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 /// Header idem sets on a replayed message: how many times it was replayed.
@@ -14,7 +19,26 @@ pub const EXCHANGE_HEADER: &str = "x-idem-exchange";
 /// See [`EXCHANGE_HEADER`].
 pub const ROUTING_KEY_HEADER: &str = "x-idem-routing-key";
 
-/// The most recent death of a message, from its `x-death` header.
+/// Header idem sets on a message it sends to wait: when it is due back in
+/// the work queue, in milliseconds since the Unix epoch.
+pub const DUE_HEADER: &str = "x-idem-due";
+
+/// Headers idem sets on a message it dead-letters itself (a copy published
+/// to the dead-letter exchange, then the delivery acked): what the broker's
+/// `x-death` entry would say. The queue the message died in.
+pub const DEATH_QUEUE_HEADER: &str = "x-idem-death-queue";
+/// Why it died: `rejected`, as the broker says of a reject. See
+/// [`DEATH_QUEUE_HEADER`].
+pub const DEATH_REASON_HEADER: &str = "x-idem-death-reason";
+/// When it died, a timestamp (seconds since the Unix epoch). See
+/// [`DEATH_QUEUE_HEADER`].
+pub const DEATH_TIME_HEADER: &str = "x-idem-death-time";
+/// How many times it died this way in that queue since it was last
+/// published by its producer or replayed: 1. See [`DEATH_QUEUE_HEADER`].
+pub const DEATH_COUNT_HEADER: &str = "x-idem-death-count";
+
+/// The most recent death of a message, from its `x-death` header, or from
+/// idem's own (see [`DEATH_QUEUE_HEADER`]) when it has none.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Death {
     /// The queue it died in: where a replay sends it back.
@@ -32,11 +56,14 @@ pub struct Death {
 }
 
 impl Death {
-    /// The first (most recent) entry of `x-death`, if there is one, with
-    /// the route it was first published with ([`EXCHANGE_HEADER`] when idem
-    /// recorded it).
+    /// The first (most recent) entry of `x-death`, else idem's record, if
+    /// there is one, with the route it was first published with
+    /// ([`EXCHANGE_HEADER`] when idem recorded it). Both can be there only
+    /// when the broker dead-lettered a message idem had dead-lettered
+    /// before (idem drops `x-death` from what it publishes): the broker's
+    /// is then the later one.
     pub fn latest(headers: Option<&FieldTable>) -> Option<Self> {
-        let mut death = Self::recorded(headers?)?;
+        let mut death = Self::recorded(headers?).or_else(|| Self::recorded_by_idem(headers?))?;
         let table = headers?.inner();
         if let Some(exchange) = table.get(EXCHANGE_HEADER).and_then(text) {
             death.exchange = exchange;
@@ -47,6 +74,26 @@ impl Death {
                 .collect();
         }
         Some(death)
+    }
+
+    /// idem's own record, from the headers it sets when it dead-letters a
+    /// message itself.
+    fn recorded_by_idem(headers: &FieldTable) -> Option<Self> {
+        let table = headers.inner();
+        Some(Death {
+            queue: table.get(DEATH_QUEUE_HEADER).and_then(text)?,
+            reason: table
+                .get(DEATH_REASON_HEADER)
+                .and_then(text)
+                .unwrap_or_default(),
+            count: table.get(DEATH_COUNT_HEADER).and_then(integer).unwrap_or(1),
+            time: match table.get(DEATH_TIME_HEADER) {
+                Some(AMQPValue::Timestamp(t)) => Some(*t),
+                _ => None,
+            },
+            exchange: String::new(),
+            routing_keys: Vec::new(),
+        })
     }
 
     /// The broker's own record of the most recent death.
@@ -97,20 +144,37 @@ pub fn may_follow_an_attempt(redelivered: bool, headers: Option<&FieldTable>) ->
             headers.inner().keys().any(|key| {
                 matches!(
                     key.as_str(),
-                    "x-death" | "x-delivery-count" | EXCHANGE_HEADER | REPLAY_HEADER
+                    "x-death"
+                        | "x-delivery-count"
+                        | EXCHANGE_HEADER
+                        | REPLAY_HEADER
+                        | DEATH_QUEUE_HEADER
                 )
             })
         })
 }
 
 /// The headers of a copy sent to wait: the original ones without those the
-/// broker owns, and the route the message was first published with, unless
-/// an earlier wait recorded it already.
+/// broker owns, the route the message was first published with, unless an
+/// earlier wait recorded it already, and when it is `due` (since the Unix
+/// epoch).
 pub fn wait_headers(
     original: Option<&FieldTable>,
     exchange: &str,
     routing_key: &str,
+    due: Duration,
 ) -> FieldTable {
+    let mut headers = routed_headers(original, exchange, routing_key);
+    headers.insert(
+        ShortString::from(DUE_HEADER),
+        AMQPValue::LongLongInt(i64::try_from(due.as_millis()).unwrap_or(i64::MAX)),
+    );
+    headers
+}
+
+/// The original headers without those the broker owns, and the route the
+/// message was first published with, unless an earlier wait recorded it.
+fn routed_headers(original: Option<&FieldTable>, exchange: &str, routing_key: &str) -> FieldTable {
     let mut headers = without_broker_headers(original);
     if !headers.inner().contains_key(EXCHANGE_HEADER) {
         headers.insert(
@@ -125,9 +189,67 @@ pub fn wait_headers(
     headers
 }
 
+/// The properties of the copy idem publishes to the dead-letter exchange
+/// when it dead-letters `properties`' message itself, as the broker would:
+/// persistent, without an expiration (a letter must not expire in the
+/// dead-letter queue), with the route it was first published with (the
+/// delivery's `exchange` and `routing_key`, unless a wait recorded it), and
+/// idem's record of its death in `queue` for `reason`, at `time` (seconds
+/// since the Unix epoch).
+pub fn dead_letter_properties(
+    properties: &BasicProperties,
+    exchange: &str,
+    routing_key: &str,
+    queue: &str,
+    reason: &str,
+    time: u64,
+) -> BasicProperties {
+    let mut headers = routed_headers(properties.headers().as_ref(), exchange, routing_key);
+    for (name, value) in [
+        (DEATH_QUEUE_HEADER, AMQPValue::LongString(queue.into())),
+        (DEATH_REASON_HEADER, AMQPValue::LongString(reason.into())),
+        (DEATH_COUNT_HEADER, AMQPValue::LongLongInt(1)),
+        (DEATH_TIME_HEADER, AMQPValue::Timestamp(time)),
+    ] {
+        headers.insert(ShortString::from(name), value);
+    }
+    without_expiration(properties)
+        .with_headers(headers)
+        .with_delivery_mode(2)
+}
+
+/// `properties` without its `expiration`, which lapin's builder cannot unset.
+fn without_expiration(properties: &BasicProperties) -> BasicProperties {
+    let mut copy = BasicProperties::default();
+    macro_rules! keep {
+        ($($field:ident => $with:ident),* $(,)?) => {
+            $(if let Some(value) = properties.$field() {
+                copy = copy.$with(value.clone());
+            })*
+        };
+    }
+    keep!(
+        content_type => with_content_type,
+        content_encoding => with_content_encoding,
+        headers => with_headers,
+        delivery_mode => with_delivery_mode,
+        priority => with_priority,
+        correlation_id => with_correlation_id,
+        reply_to => with_reply_to,
+        message_id => with_message_id,
+        timestamp => with_timestamp,
+        kind => with_type,
+        user_id => with_user_id,
+        app_id => with_app_id,
+        cluster_id => with_cluster_id,
+    );
+    copy
+}
+
 /// The headers of a replayed copy: the original ones without those the
 /// broker owns (RabbitMQ 4 ignores them from publishers, 3.x would count
-/// old deaths), and with the replay counter one higher.
+/// old deaths) nor idem's record of a death, and with the replay counter
+/// one higher.
 pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
     let mut headers = without_broker_headers(original);
     headers.insert(
@@ -137,12 +259,13 @@ pub fn replay_headers(original: Option<&FieldTable>) -> FieldTable {
     headers
 }
 
-/// The original headers without those the broker owns: what a message
-/// published again by idem (to a wait queue, say) carries.
+/// The original headers without those the broker owns and without idem's
+/// record of an earlier death: what a message published again by idem (to
+/// a wait queue, say) carries.
 pub fn without_broker_headers(original: Option<&FieldTable>) -> FieldTable {
     let mut headers = FieldTable::default();
     for (key, value) in original.map(FieldTable::inner).into_iter().flatten() {
-        if !is_broker_owned(key.as_str()) {
+        if !is_dropped_on_republish(key.as_str()) {
             headers.insert(key.clone(), value.clone());
         }
     }
@@ -157,11 +280,13 @@ pub fn replays(headers: Option<&FieldTable>) -> i64 {
         .unwrap_or(0)
 }
 
-fn is_broker_owned(name: &str) -> bool {
+fn is_dropped_on_republish(name: &str) -> bool {
     name == "x-death"
         || name == "x-delivery-count"
         || name.starts_with("x-first-death-")
         || name.starts_with("x-last-death-")
+        || name.starts_with("x-idem-death-")
+        || name == DUE_HEADER
 }
 
 fn integer(value: &AMQPValue) -> Option<i64> {
@@ -242,9 +367,15 @@ mod tests {
             Some(&dead_lettered_headers()),
             "payments",
             "payment.succeeded",
+            Duration::from_secs(1),
         );
         // ...later ones, arriving from a wait queue, keep it.
-        let again = wait_headers(Some(&first), "", "work.retry.1s");
+        let again = wait_headers(Some(&first), "", "work.retry.1s", Duration::from_secs(2));
+        assert_eq!(
+            again.inner().get(DUE_HEADER),
+            Some(&AMQPValue::LongLongInt(2000)),
+            "the due time is the latest wait's"
+        );
         let mut died = again.clone();
         for (key, value) in dead_lettered_headers().inner() {
             if key.as_str() == "x-death" {
@@ -269,13 +400,73 @@ mod tests {
     }
 
     #[test]
+    fn a_letter_idem_dead_lettered_reads_as_the_broker_would_have_written_it() {
+        let mut published = FieldTable::default();
+        published.insert("trace-id".into(), AMQPValue::LongString("abc".into()));
+        let properties = BasicProperties::default()
+            .with_headers(published)
+            .with_expiration("60000".into())
+            .with_message_id("m-1".into());
+        let letter = dead_letter_properties(
+            &properties,
+            "payments",
+            "payment.succeeded",
+            "work",
+            "rejected",
+            1_700_000_000,
+        );
+        assert_eq!(letter.expiration(), &None, "a letter must not expire");
+        assert_eq!(letter.delivery_mode(), &Some(2));
+        assert_eq!(
+            letter.message_id().as_ref().map(|id| id.as_str()),
+            Some("m-1")
+        );
+        let headers = letter.headers().as_ref();
+        assert_eq!(
+            Death::latest(headers),
+            Some(Death {
+                queue: "work".into(),
+                reason: "rejected".into(),
+                count: 1,
+                time: Some(1_700_000_000),
+                exchange: "payments".into(),
+                routing_keys: vec!["payment.succeeded".into()],
+            })
+        );
+        // The broker's later death wins over idem's earlier one.
+        let mut died_again = headers.cloned().unwrap_or_default();
+        for (key, value) in dead_lettered_headers().inner() {
+            died_again.insert(key.clone(), value.clone());
+        }
+        assert_eq!(Death::latest(Some(&died_again)).map(|d| d.count), Some(3));
+        // A replay drops the record, as it drops `x-death`.
+        let replayed = replay_headers(headers);
+        let names: Vec<&str> = replayed.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(
+            names,
+            vec![
+                "trace-id",
+                EXCHANGE_HEADER,
+                REPLAY_HEADER,
+                ROUTING_KEY_HEADER
+            ]
+        );
+        assert_eq!(Death::latest(Some(&replayed)), None);
+    }
+
+    #[test]
     fn only_a_first_delivery_as_published_follows_no_attempt() {
         let mut published = FieldTable::default();
         published.insert("trace-id".into(), AMQPValue::LongString("abc".into()));
         assert!(!may_follow_an_attempt(false, None));
         assert!(!may_follow_an_attempt(false, Some(&published)));
         assert!(may_follow_an_attempt(true, Some(&published)));
-        let waited = wait_headers(Some(&published), "payments", "payment.succeeded");
+        let waited = wait_headers(
+            Some(&published),
+            "payments",
+            "payment.succeeded",
+            Duration::ZERO,
+        );
         assert!(may_follow_an_attempt(false, Some(&waited)));
         assert!(may_follow_an_attempt(false, Some(&dead_lettered_headers())));
         let replayed = replay_headers(Some(&published));

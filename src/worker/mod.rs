@@ -7,13 +7,14 @@
 //! `process`).
 
 mod epochs;
+mod forward;
 mod health;
 mod http;
 mod intake;
 mod process;
+mod release;
 mod settle;
 mod stats;
-mod wait;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,13 +33,14 @@ pub use stats::{Snapshot, Stats};
 
 use crate::backoff::RECONNECT_PATIENCE;
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Topology, TopologyError, close,
-    close_channel, connect_with_retry,
+    AmqpConfig, ConnectError, ConnectionWatch, Topology, TopologyError, close, close_channel,
+    connect_with_retry,
 };
 use crate::caught;
 use crate::handler::Handler;
 use crate::store::{Applier, DatabaseConfig, Filters, ReadyError, Store};
 use crate::telemetry::trace;
+use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
 use intake::Intake;
 use process::Processor;
@@ -551,6 +553,9 @@ async fn reconnecting<H: Handler>(
             };
         patience = RECONNECT_PATIENCE;
         let started = Instant::now();
+        // Shared with the session's batches, which open fresh channels on
+        // it when the broker nacks their copies.
+        let connection = Arc::new(connection);
         let end = session(config, &connection, processor, shutdown).await;
         close(&connection).await;
         match end? {
@@ -606,7 +611,7 @@ async fn summarize(stats: Arc<Stats>, interval: Duration, shutdown: Cancellation
 /// shutdown drains it (or its deadline passes).
 async fn session<H: Handler>(
     config: &WorkerConfig,
-    connection: &Connection,
+    connection: &Arc<Connection>,
     processor: &Arc<Processor<H>>,
     shutdown: &CancellationToken,
 ) -> Result<SessionEnd, WorkerError> {
@@ -624,7 +629,11 @@ async fn session<H: Handler>(
     }
     let watch = ConnectionWatch::start(connection, "consuming");
     let lost = watch.lost();
-    let (channel, publisher) = match open_channels(connection, config).await {
+    let Channels {
+        consume: channel,
+        waits,
+        forwarder,
+    } = match open_channels(connection, config).await {
         Ok(channels) => channels,
         Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
     };
@@ -633,7 +642,10 @@ async fn session<H: Handler>(
         tokio::time::sleep(config.shutdown_timeout).await;
     };
     let end = tokio::select! {
-        end = consume(config, &channel, &publisher, processor, lost, shutdown) => end,
+        end = consume(config, &channel, &forwarder, processor, lost, shutdown) => end,
+        reason = release::run(&waits, &forwarder, &config.topology, shutdown) => {
+            SessionEnd::Lost(reason)
+        }
         () = deadline => {
             warn!("shutdown timeout reached: closing with deliveries in flight; the broker redelivers them");
             SessionEnd::Drained
@@ -641,7 +653,8 @@ async fn session<H: Handler>(
     };
     if let SessionEnd::Drained = end {
         close_channel(&channel).await;
-        close_channel(publisher.channel()).await;
+        close_channel(&waits).await;
+        close_channel(forwarder.channel().await.channel()).await;
     }
     Ok(end)
 }
@@ -652,7 +665,7 @@ async fn session<H: Handler>(
 async fn consume<H: Handler>(
     config: &WorkerConfig,
     channel: &Channel,
-    publisher: &ConfirmChannel,
+    forwarder: &Arc<Forwarder>,
     processor: &Arc<Processor<H>>,
     lost: impl Future<Output = String>,
     shutdown: &CancellationToken,
@@ -722,8 +735,11 @@ async fn consume<H: Handler>(
                 batch.iter().map(|d| d.properties.headers().as_ref()),
             );
         }
-        let (processor, settler, publisher) =
-            (Arc::clone(processor), settler.clone(), publisher.clone());
+        let (processor, settler, forwarder) = (
+            Arc::clone(processor),
+            settler.clone(),
+            Arc::clone(forwarder),
+        );
         let counted = InFlight::start(Arc::clone(&processor.stats));
         // The transaction's and the wait's futures are several kilobytes:
         // boxed, they are built once the task runs, and the task moved into
@@ -735,10 +751,16 @@ async fn consume<H: Handler>(
                 let processing = Box::pin(processor.process(batch));
                 let settlements = match caught::future(processing).await {
                     Ok(mut decided) => {
-                        if !decided.waiting.is_empty() {
-                            let waiting = std::mem::take(&mut decided.waiting);
-                            let sent =
-                                Box::pin(wait::send(&publisher, &processor.topology, waiting));
+                        if !decided.waiting.is_empty() || !decided.dead.is_empty() {
+                            let topology = &processor.topology;
+                            let waiting = std::mem::take(&mut decided.waiting)
+                                .into_iter()
+                                .map(|waiting| Copy::to_wait(topology, waiting));
+                            let dead = std::mem::take(&mut decided.dead)
+                                .into_iter()
+                                .map(|delivery| Copy::to_die(topology, delivery));
+                            let copies = waiting.chain(dead).collect();
+                            let sent = Box::pin(forward::send(&forwarder, copies));
                             decided.settlements.extend(sent.await);
                         }
                         decided.settlements
@@ -814,18 +836,35 @@ impl Pause {
     }
 }
 
-/// A channel to consume on, with the prefetch set, and one in confirm mode
-/// to send failed messages to wait on.
+/// The channels of a session.
+struct Channels {
+    /// Consumes the work queue, with the prefetch set.
+    consume: Channel,
+    /// Consumes the wait queues, taking each message out once it is due.
+    waits: Channel,
+    /// In confirm mode: failed messages to wait, dead ones to the
+    /// dead-letter exchange, due ones back to the work queue.
+    forwarder: Arc<Forwarder>,
+}
+
 async fn open_channels(
-    connection: &Connection,
+    connection: &Arc<Connection>,
     config: &WorkerConfig,
-) -> lapin::Result<(Channel, ConfirmChannel)> {
-    let channel = connection.create_channel().await?;
-    channel
+) -> lapin::Result<Channels> {
+    let consume = connection.create_channel().await?;
+    consume
         .basic_qos(config.prefetch, BasicQosOptions::default())
         .await?;
-    let publisher = ConfirmChannel::open(connection).await?;
-    Ok((channel, publisher))
+    let waits = connection.create_channel().await?;
+    waits
+        .basic_qos(release::PREFETCH, BasicQosOptions::default())
+        .await?;
+    let forwarder = Arc::new(Forwarder::open(Arc::clone(connection)).await?);
+    Ok(Channels {
+        consume,
+        waits,
+        forwarder,
+    })
 }
 
 /// Cancels the consumer once `shutdown` fires: the broker stops sending, and

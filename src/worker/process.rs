@@ -52,13 +52,19 @@ pub(crate) struct Waiting {
     pub(crate) delay: Duration,
 }
 
+/// The reason idem records for a message it dead-letters: what the
+/// broker's `x-death` says of a reject.
+pub(crate) const DEAD_LETTER_REASON: &str = "rejected";
+
 /// What became of a batch: decisions for the broker, and deliveries to send
-/// to wait first.
+/// to wait or to the dead-letter exchange first.
 #[derive(Debug, Default)]
 pub(crate) struct Decided {
     pub(crate) settlements: Vec<Settlement>,
     pub(crate) waiting: Vec<Waiting>,
-    /// What the dead-letter index is told before the rejections go out.
+    /// Invalid, or out of attempts: each goes to the dead-letter exchange.
+    pub(crate) dead: Vec<Delivery>,
+    /// What the dead-letter index is told before the letters go out.
     dead_letters: Vec<DeadLetter>,
 }
 
@@ -72,21 +78,20 @@ impl Decided {
     fn dead_letter(
         &mut self,
         topology: &Topology,
-        delivery: &Delivery,
+        delivery: Delivery,
         event_id: Option<&str>,
         error: Option<String>,
     ) {
-        self.settle(delivery.delivery_tag, Disposition::DeadLetter);
         self.dead_letters.push(DeadLetter {
             key: event_id.map_or_else(|| body_key(&delivery.data), event_key),
             event_id: event_id.map(str::to_owned),
             queue: topology.queue.clone(),
-            // What the broker's x-death says of a reject.
-            reason: "rejected".to_owned(),
+            reason: DEAD_LETTER_REASON.to_owned(),
             invalid: event_id.is_none(),
             error,
             dead_at: None,
         });
+        self.dead.push(delivery);
     }
 }
 
@@ -145,7 +150,7 @@ impl<H: Handler> Processor<H> {
                         "invalid message: dead-lettering it"
                     );
                     self.stats.invalid(1);
-                    decided.dead_letter(&self.topology, &delivery, None, Some(invalid.to_string()));
+                    decided.dead_letter(&self.topology, delivery, None, Some(invalid.to_string()));
                 }
             }
         }
@@ -313,12 +318,8 @@ impl<H: Handler> Processor<H> {
                 "out of attempts before the last restart: dead-lettering it"
             );
             self.stats.dead_lettered(1);
-            decided.dead_letter(
-                &self.topology,
-                &item.delivery,
-                Some(self.event_id(&item)),
-                None,
-            );
+            let event_id = self.event_id(&item).to_owned();
+            decided.dead_letter(&self.topology, item.delivery, Some(&event_id), None);
         }
         rest
     }
@@ -331,7 +332,8 @@ impl<H: Handler> Processor<H> {
     /// uncounted would let the broker's delivery limit dead-letter a message
     /// idem never gave up on.
     async fn failed(&self, item: Item<H::Event>, failure: &Failure, decided: &mut Decided) {
-        let event_id = self.event_id(&item);
+        let event_id = self.event_id(&item).to_owned();
+        let event_id = event_id.as_str();
         // The budget is the event's: a copy that arrives after it was spent
         // (published twice, or replayed from elsewhere) spends nothing more.
         // Asked here, on the failure path, so that no batch pays for it.
@@ -355,7 +357,7 @@ impl<H: Handler> Processor<H> {
             self.stats.failed(1);
             self.stats.dead_lettered(1);
             let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
+            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
             return;
         }
         let counted = self
@@ -377,7 +379,7 @@ impl<H: Handler> Processor<H> {
             );
             self.stats.dead_lettered(1);
             let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
+            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
             return;
         }
         let spent = failures >= self.max_attempts;
@@ -403,7 +405,7 @@ impl<H: Handler> Processor<H> {
         if spent {
             self.stats.dead_lettered(1);
             let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, &item.delivery, Some(event_id), error);
+            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
         } else if delay.is_zero() {
             self.stats.retried(1, delay);
             decided.settle(item.tag(), Disposition::Retry);

@@ -25,7 +25,8 @@ pub(crate) enum Disposition {
     /// This message failed: give it back, counting toward the delivery limit
     /// (`basic.reject` with requeue; `nack` would not count on RabbitMQ 4.3+).
     Retry,
-    /// Invalid, or out of attempts: reject without requeue, so the broker
+    /// Invalid, or out of attempts, and idem could not publish it to the
+    /// dead-letter exchange itself: reject without requeue, so the broker
     /// dead-letters it now.
     DeadLetter,
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::death::REPLAY_HEADER;
+use idem::broker::death::{DEATH_QUEUE_HEADER, REPLAY_HEADER};
 use idem::dlq::{self, Action, DlqConfig, Printed, Report, View};
 use idem::points::{PaymentSucceeded, Points};
 
@@ -89,10 +89,18 @@ async fn invalid_messages_are_dead_lettered_at_once_and_the_worker_goes_on(
     for letter in &letters {
         let death = letter
             .death()
-            .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+            .ok_or_else(|| anyhow::anyhow!("no record of its death"))?;
         assert_eq!(death.queue, env.topology.queue);
         assert_eq!(death.reason, "rejected");
         assert_eq!(death.count, 1, "dead-lettered at the first delivery");
+        // idem made the hop itself (a confirmed copy, then an ack), not
+        // the broker's dead-lettering of a reject.
+        let headers = letter.properties.headers().clone().unwrap_or_default();
+        let names: Vec<&str> = headers.inner().keys().map(|k| k.as_str()).collect();
+        assert!(
+            names.contains(&DEATH_QUEUE_HEADER) && !names.contains(&"x-death"),
+            "{names:?}"
+        );
     }
     Ok(())
 }
@@ -154,7 +162,7 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
     assert_eq!(PaymentSucceeded::parse(&letters[0].body), Ok(poison));
     let death = letters[0]
         .death()
-        .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+        .ok_or_else(|| anyhow::anyhow!("no record of its death"))?;
     assert_eq!(death.queue, env.topology.queue);
     assert_eq!(death.exchange, env.topology.exchange);
     assert_eq!(death.routing_keys, vec![env.topology.routing_key.clone()]);
@@ -265,7 +273,8 @@ async fn a_replay_strips_broker_headers_counts_replays_and_targets_only_its_queu
     assert!(
         !names.iter().any(|n| *n == "x-death"
             || n.starts_with("x-first-death")
-            || n.starts_with("x-last-death")),
+            || n.starts_with("x-last-death")
+            || n.starts_with("x-idem-death")),
         "{names:?}"
     );
     assert_eq!(idem::broker::death::replays(Some(&headers)), 1);

@@ -238,16 +238,25 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
     config.topology = topology.clone();
     let worker = RunningWorker::start(config);
     let wait_queue = topology.wait_queue(Duration::from_secs(60));
+    // The worker holds the waiting message until it is due, and gives it
+    // back to its wait queue when it stops.
     wait_for(
         "the poison message waiting",
         Duration::from_secs(30),
         || async {
-            Ok(env.ready(&wait_queue).await? == 1
+            Ok(env.messages(&wait_queue)? == 1
+                && env.consumers(&wait_queue).await? == 1
                 && env.ready(&env.topology.dead_letter_queue).await? == 2)
         },
     )
     .await?;
     worker.stop().await?;
+    wait_for(
+        "the poison message given back to its wait queue",
+        Duration::from_secs(10),
+        || async { Ok(env.ready(&wait_queue).await? == 1) },
+    )
+    .await?;
 
     let output = crate::helpers::idem_command(&env, &amqp_url(), &database_url())
         .args(["status", "--retry-delays", "60s"])

@@ -211,7 +211,7 @@ async fn a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempt
     assert_eq!(PaymentSucceeded::parse(&letters[0].body), Ok(event));
     let death = letters[0]
         .death()
-        .ok_or_else(|| anyhow::anyhow!("no x-death header"))?;
+        .ok_or_else(|| anyhow::anyhow!("no record of its death"))?;
     assert_eq!(death.reason, "rejected");
     assert_eq!(death.queue, env.topology.queue, "replayed to where it died");
     // The route it was first published with, though it was last published
