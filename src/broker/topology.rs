@@ -123,6 +123,23 @@ impl Topology {
     /// The longest delay: RabbitMQ's `x-message-ttl` is at most 2³² − 1 ms.
     pub const MAX_RETRY_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
+    /// How long a message stays in its wait queue past its delay before
+    /// the broker sends it back to the work queue by itself. A worker takes
+    /// it out when it is due; the TTL is for when none holds it (none runs,
+    /// more wait than it takes). Without the grace, what a worker held when
+    /// it lost its node would be given back already expired, and take the
+    /// broker's hop, which a node's loss on RabbitMQ 3.10 can hold for
+    /// 180 s, rather than be taken by another worker.
+    pub const WAIT_GRACE: Duration = Duration::from_secs(60);
+
+    /// The `x-message-ttl` of the wait queue of `delay`, in milliseconds.
+    fn wait_ttl(delay: Duration) -> u64 {
+        let ttl = delay
+            .saturating_add(Self::WAIT_GRACE)
+            .min(Self::MAX_RETRY_DELAY);
+        ttl.as_millis() as u64
+    }
+
     /// The objects of the consumer group whose work queue is `queue`,
     /// named by idem's convention: for `stock.reservations`, the
     /// dead-letter exchange `stock.dlx` (the queue's first dotted part, or
@@ -244,14 +261,15 @@ impl Topology {
         ]
     }
 
-    /// Arguments of the wait queue of `delay`: nothing consumes it; each
-    /// message expires after `delay` (the same for all, so in the order they
-    /// came) and is dead-lettered back to the work queue through the
+    /// Arguments of the wait queue of `delay`: the workers consume it and
+    /// send each message back when it is due; what none holds expires
+    /// [`Self::WAIT_GRACE`] after that (the same for all, so in the order
+    /// they came) and is dead-lettered back to the work queue through the
     /// default exchange, at least once, as the work queue dead-letters.
     fn wait_queue_arguments(&self, delay: Duration) -> Vec<(&'static str, Value)> {
         vec![
             ("x-queue-type", json!("quorum")),
-            ("x-message-ttl", json!(delay.as_millis() as u64)),
+            ("x-message-ttl", json!(Self::wait_ttl(delay))),
             ("x-dead-letter-exchange", json!("")),
             ("x-dead-letter-routing-key", json!(self.queue)),
             ("x-dead-letter-strategy", json!("at-least-once")),
@@ -382,6 +400,30 @@ impl Topology {
                          again"
                     );
                     arguments = vec![("x-queue-type", json!("classic"))];
+                }
+                "x-message-ttl"
+                    if self.waits().iter().any(|delay| {
+                        self.wait_queue(*delay) == name
+                            && difference.current.as_deref()
+                                == Some(delay.as_millis().to_string().as_str())
+                    }) =>
+                {
+                    warn!(
+                        queue = name,
+                        "the wait queue '{name}' expires its messages after their delay, as \
+                         idem declared it before: it works, but a message a worker held when \
+                         it lost its node may take the broker's own hop back, which a node's \
+                         loss can hold for minutes; to give it a grace of {}s, delete it when \
+                         it is empty and start the worker again",
+                        Self::WAIT_GRACE.as_secs()
+                    );
+                    arguments.retain(|(key, _)| *key != difference.argument);
+                    if let Some(current) = &difference.current {
+                        let Ok(ttl) = current.parse::<u64>() else {
+                            return Err(error);
+                        };
+                        arguments.push(("x-message-ttl", json!(ttl)));
+                    }
                 }
                 _ => return Err(error),
             }

@@ -27,7 +27,7 @@ use crate::broker::death::DUE_HEADER;
 /// Wait queues with a longer delay are left to the broker's TTL: a consumer
 /// that held a message that long would meet RabbitMQ's `consumer_timeout`
 /// (30 minutes by default), which closes its channel.
-pub(crate) const LONGEST_HELD: Duration = Duration::from_secs(15 * 60);
+const LONGEST_HELD: Duration = Duration::from_secs(15 * 60);
 
 /// Messages a wait queue hands one worker at a time.
 pub(crate) const PREFETCH: u16 = 1000;

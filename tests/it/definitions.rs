@@ -278,6 +278,10 @@ async fn a_topology_an_older_idem_declared_keeps_working_and_a_real_difference_i
         "{log}"
     );
     assert!(log.contains("keeps them"), "{log}");
+    assert!(
+        log.contains("expires its messages after their delay, as idem declared it before"),
+        "{log}"
+    );
     let letters = peek(&env.amqp, &old.dead_letter_queue).await?;
     assert_eq!(letters.len(), 1);
     assert_eq!(letters[0].body, invalid[0]);
