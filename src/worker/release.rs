@@ -60,7 +60,15 @@ pub(crate) async fn run(
         {
             Ok(consumer) => {
                 tags.push(consumer.tag());
-                consumers.push(consumer.map(move |delivery| (delay, delivery)));
+                // A consumer's end is a message of its own: the merged
+                // stream would otherwise go on without it.
+                let ended = futures::stream::iter([None]);
+                consumers.push(
+                    consumer
+                        .map(Some)
+                        .chain(ended)
+                        .map(move |delivery| (delay, delivery)),
+                );
             }
             Err(error) => return format!("cannot consume the wait queue '{queue}': {error}"),
         }
@@ -73,13 +81,21 @@ pub(crate) async fn run(
     loop {
         tokio::select! {
             next = deliveries.next() => match next {
-                Some((delay, Ok(delivery))) => {
+                Some((delay, Some(Ok(delivery)))) => {
                     let (channel, forwarder) = (channel.clone(), Arc::clone(forwarder));
                     let queue = topology.queue.clone();
                     held.spawn(release(channel, forwarder, queue, delay, delivery));
                 }
-                Some((_, Err(error))) => return format!("a wait queue's consumer failed: {error}"),
-                None => return "the broker cancelled a wait queue's consumer".into(),
+                Some((_, Some(Err(error)))) => {
+                    return format!("a wait queue's consumer failed: {error}");
+                }
+                Some((delay, None)) => {
+                    return format!(
+                        "the broker cancelled the consumer of the wait queue '{}'",
+                        topology.wait_queue(delay)
+                    );
+                }
+                None => return "the broker cancelled the wait queues' consumers".into(),
             },
             Some(Ok(Err(error))) = held.join_next() => return error,
             () = shutdown.cancelled() => break,

@@ -386,3 +386,42 @@ async fn a_ledger_row_of_an_event_applied_since_is_neither_failing_nor_spent() -
     assert_eq!(env.points("o").await?, 5);
     Ok(())
 }
+
+/// The worker consumes its wait queues; one deleted under it (the broker
+/// cancels the consumer) ends the session, as a cancelled work queue's
+/// consumer does: the worker connects again, declares the queue again and
+/// consumes it, rather than go on without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_queue_deleted_under_the_worker_is_declared_and_consumed_again() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    let wait_queue = env.topology.wait_queue(env.topology.waits()[0]);
+    let consumed = || async {
+        // A queue that does not exist (yet) has no consumer.
+        Ok(env.consumers(&wait_queue).await.unwrap_or(0) == 1)
+    };
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_for(
+        "the worker consuming its wait queue",
+        Duration::from_secs(30),
+        consumed,
+    )
+    .await?;
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_delete(wait_queue.as_str().into(), Default::default())
+        .await?;
+    channel.close(200, "OK".into()).await?;
+    connection.close(200, "OK".into()).await?;
+    wait_for(
+        "the wait queue declared and consumed again",
+        Duration::from_secs(30),
+        consumed,
+    )
+    .await?;
+    let sessions = worker.stats.snapshot().sessions;
+    worker.stop().await?;
+    assert_eq!(sessions, 2, "one session more, after the cancel");
+    Ok(())
+}
