@@ -233,7 +233,7 @@ impl Copy {
 }
 
 /// The time since the Unix epoch.
-fn now() -> Duration {
+pub(super) fn now() -> Duration {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or(Duration::ZERO)

@@ -7,7 +7,7 @@
 //! the prefetch): that expires, and the broker makes the hop, as before.
 
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures::StreamExt;
 use lapin::Channel;
@@ -150,8 +150,7 @@ fn until_due(delivery: &Delivery, delay: Duration) -> Duration {
     let Some(due) = due else {
         return delay;
     };
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or(Duration::ZERO);
-    Duration::from_millis(due).saturating_sub(now).min(delay)
+    Duration::from_millis(due)
+        .saturating_sub(forward::now())
+        .min(delay)
 }

@@ -400,41 +400,12 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     }
     worker.stop().await?;
 
-    let broker = Proxy::start(amqp_address()).await?;
-    let config = idem::dlq::DlqConfig {
-        amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
-            env.amqp_url_via(broker.port),
-        )),
-        database: env.database.clone(),
-        consumer_group: GROUP.into(),
-        dead_letter_queue: env.topology.dead_letter_queue.clone(),
-        filter: Default::default(),
-        limit: None,
-        patience: patient(Duration::from_secs(20)),
+    let replay_all = idem::dlq::Action::Replay {
+        rate: None,
+        include_invalid: true,
     };
-    let replaying = tokio::spawn(async move {
-        let replay_all = idem::dlq::Action::Replay {
-            rate: None,
-            include_invalid: true,
-        };
-        idem::dlq::run(
-            &config,
-            &replay_all,
-            &idem::points::Points,
-            &tokio_util::sync::CancellationToken::new(),
-        )
-        .await
-    });
-    wait_for(
-        "replaying to be under way",
-        Duration::from_secs(30),
-        || async { Ok(env.ready(&env.topology.queue).await? >= 300) },
-    )
-    .await?;
-    broker.cut();
-    let report = replaying.await??;
-    assert!(report.succeeded(), "{report:?}");
-    assert_eq!(report.reconnects, 1, "the cut landed mid-way");
+    let report =
+        replay_cut_off_mid_way(&env, idem::dlq::Filter::default(), replay_all, 300).await?;
     // A replay confirmed but whose ack the cut lost is replayed again.
     assert!(
         report.replayed.len() >= 800,
@@ -466,6 +437,42 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
     Ok(())
 }
 
+/// Runs `action` on `env`'s dead letters that match `filter`, through a
+/// proxy of the broker whose connections are cut once `under_way` messages
+/// are ready in the work queue; the run must connect again once and end
+/// well. Returns its report.
+async fn replay_cut_off_mid_way(
+    env: &TestEnv,
+    filter: idem::dlq::Filter,
+    action: idem::dlq::Action,
+    under_way: u32,
+) -> anyhow::Result<idem::dlq::Report> {
+    let broker = Proxy::start(amqp_address()).await?;
+    let config = idem::dlq::DlqConfig {
+        amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
+            env.amqp_url_via(broker.port),
+        )),
+        filter,
+        patience: patient(Duration::from_secs(20)),
+        ..env.dlq_config()
+    };
+    let replaying = tokio::spawn(async move {
+        let never = tokio_util::sync::CancellationToken::new();
+        idem::dlq::run(&config, &action, &idem::points::Points, &never).await
+    });
+    wait_for(
+        "replaying to be under way",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&env.topology.queue).await? >= under_way) },
+    )
+    .await?;
+    broker.cut();
+    let report = replaying.await??;
+    assert!(report.succeeded(), "{report:?}");
+    assert_eq!(report.reconnects, 1, "the cut landed mid-way");
+    Ok(report)
+}
+
 /// A filtered replay whose connection is cut mid-way connects again and
 /// goes on; it ends with the dead-letter queue holding exactly the letters
 /// that did not match, once each, and the work queue every one that did.
@@ -489,30 +496,15 @@ async fn a_filtered_replay_cut_off_mid_way_leaves_exactly_the_letters_it_did_not
     };
     let (kept, replayed) = (of_order("cut-kept"), of_order("cut-replayed"));
 
-    let broker = Proxy::start(amqp_address()).await?;
-    let mut config = env.dlq_config();
-    config.amqp =
-        idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)));
-    config.filter.error = Some("order cut-replayed failed".into());
-    config.patience = patient(Duration::from_secs(20));
-    let replaying = tokio::spawn(async move {
-        let replay = idem::dlq::Action::Replay {
-            rate: Some(200.0),
-            include_invalid: false,
-        };
-        let never = tokio_util::sync::CancellationToken::new();
-        idem::dlq::run(&config, &replay, &idem::points::Points, &never).await
-    });
-    wait_for(
-        "replaying to be under way",
-        Duration::from_secs(30),
-        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
-    )
-    .await?;
-    broker.cut();
-    let report = replaying.await??;
-    assert!(report.succeeded(), "{report:?}");
-    assert_eq!(report.reconnects, 1, "the cut landed mid-way");
+    let filter = idem::dlq::Filter {
+        error: Some("order cut-replayed failed".into()),
+        ..idem::dlq::Filter::default()
+    };
+    let replay = idem::dlq::Action::Replay {
+        rate: Some(200.0),
+        include_invalid: false,
+    };
+    let report = replay_cut_off_mid_way(&env, filter, replay, 100).await?;
 
     // The broker's statistics lag seconds behind: the queue is read once
     // they agree with its own count of ready letters.
