@@ -367,6 +367,10 @@ pub async fn summary<H: Handler>(
     Ok(IndexedSummary { state, summary })
 }
 
+/// The most last errors a summary lists, the commonest first: errors that
+/// name their event would list every letter.
+const ERRORS_SHOWN: usize = 20;
+
 /// What `idem dlq summary` prints.
 #[derive(Debug, Clone)]
 pub struct IndexedSummary {
@@ -423,8 +427,18 @@ impl fmt::Display for IndexedSummary {
             .collect();
         write!(f, "\n  by reason: {}", reasons.join(", "))?;
         write!(f, "\n  by last error:")?;
-        for (error, n) in counted(&summary.errors) {
+        let errors = counted(&summary.errors);
+        for (error, n) in errors.iter().take(ERRORS_SHOWN) {
             write!(f, "\n    {n:>6}  {}", printable(error))?;
+        }
+        if errors.len() > ERRORS_SHOWN {
+            let rest = &errors[ERRORS_SHOWN..];
+            write!(
+                f,
+                "\n    {:>6}  in {} other last error(s) (`--error TEXT` narrows the summary)",
+                rest.iter().map(|(_, n)| **n).sum::<i64>(),
+                rest.len()
+            )?;
         }
         let seconds = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
         if let (Some(oldest), Some(newest)) = (summary.oldest, summary.newest) {

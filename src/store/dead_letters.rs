@@ -52,15 +52,22 @@ pub fn body_key(body: &[u8]) -> String {
 const MAX_ERROR_CHARS: usize = 2000;
 
 /// Adds copies of letters, one per element of `letters` (grouped by key:
-/// one row each). `$10`: a row last touched before it is set to the count
-/// given instead of adding to it (a sync's start; `-infinity` adds).
+/// one row each), each with the ledger's count and last error and whether
+/// the group applied its event. `$10`: a row last touched before it is set
+/// to the count given instead of adding to it (a sync's start;
+/// `-infinity` adds).
 const WRITE: &str = "\
+    WITH applied AS (\
+        SELECT recorded.event_id FROM mq_recorded(\
+            ARRAY(SELECT id FROM unnest($3::varchar[]) AS id WHERE id IS NOT NULL), $1) \
+            AS recorded) \
     INSERT INTO mq_dead_letter AS letter \
         (consumer_group, letter_key, event_id, queue, reason, failures, last_error, invalid, \
-         copies, dead_at) \
+         copies, dead_at, applied) \
     SELECT $1, given.key, given.event_id, given.queue, given.reason, \
            coalesce(ledger.failures, 0), coalesce(ledger.last_error, given.error), given.invalid, \
-           given.copies, coalesce(given.dead_at, now()) \
+           given.copies, coalesce(given.dead_at, now()), \
+           EXISTS (SELECT FROM applied WHERE applied.event_id = given.event_id) \
     FROM unnest($2::varchar[], $3::varchar[], $4::varchar[], $5::varchar[], $6::text[], \
                 $7::bool[], $8::int[], $9::timestamptz[]) \
         AS given(key, event_id, queue, reason, error, invalid, copies, dead_at) \
@@ -73,7 +80,7 @@ const WRITE: &str = "\
         event_id = EXCLUDED.event_id, queue = EXCLUDED.queue, reason = EXCLUDED.reason, \
         failures = EXCLUDED.failures, last_error = EXCLUDED.last_error, \
         invalid = EXCLUDED.invalid, dead_at = greatest(letter.dead_at, EXCLUDED.dead_at), \
-        touched_at = clock_timestamp()";
+        applied = EXCLUDED.applied, touched_at = clock_timestamp()";
 
 /// Takes copies off: a row whose every copy is taken goes.
 const TAKE: &str = "\
@@ -284,66 +291,138 @@ pub struct IndexSummary {
     pub invalid: i64,
 }
 
-const SUMMARY: &str = "\
-    WITH matching AS MATERIALIZED (\
-        SELECT letter.* FROM mq_dead_letter AS letter \
-        WHERE letter.consumer_group = $1 \
-          AND ($2::varchar IS NULL OR letter.reason = $2) \
-          AND ($3::varchar IS NULL OR letter.event_id = $3) \
-          AND ($4::text IS NULL OR strpos(coalesce(letter.last_error, ''), $4) > 0) \
-          AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
-          AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
-          AND (NOT $7 OR letter.invalid)), \
-    applied AS (\
-        SELECT recorded.event_id FROM mq_recorded(\
-            ARRAY(SELECT event_id FROM matching WHERE event_id IS NOT NULL), $1) AS recorded) \
-    SELECT matching.reason, \
-           CASE WHEN matching.invalid THEN '(invalid body)' \
-                ELSE coalesce(matching.last_error, '(no failure recorded)') END AS error, \
-           sum(matching.copies)::bigint, min(matching.dead_at), max(matching.dead_at), \
-           coalesce(sum(matching.copies) FILTER (\
-               WHERE NOT matching.invalid AND applied.event_id IS NULL), 0)::bigint, \
-           coalesce(sum(matching.copies) FILTER (WHERE applied.event_id IS NOT NULL), 0)::bigint, \
-           coalesce(sum(matching.copies) FILTER (WHERE matching.invalid), 0)::bigint \
-    FROM matching LEFT JOIN applied ON applied.event_id = matching.event_id \
+/// The filter of a summary, over the index's rows (`letter`) or its
+/// tallies (`tally`; no event id or time there).
+const MATCHING_ROWS: &str = "\
+    letter.consumer_group = $1 \
+    AND ($2::varchar IS NULL OR letter.reason = $2) \
+    AND ($3::varchar IS NULL OR letter.event_id = $3) \
+    AND ($4::text IS NULL OR strpos(coalesce(letter.last_error, ''), $4) > 0) \
+    AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
+    AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
+    AND (NOT $7 OR letter.invalid)";
+
+/// A summary's counts, from the rows that match (a filter by event id or
+/// by time).
+const SUMMARY_OF_ROWS: &str = "\
+    SELECT letter.reason, \
+           CASE WHEN letter.invalid THEN '(invalid body)' \
+                ELSE coalesce(nullif(letter.last_error, ''), '(no failure recorded)') END, \
+           sum(letter.copies)::bigint, \
+           coalesce(sum(letter.copies) FILTER (WHERE NOT letter.invalid AND NOT letter.applied), \
+                    0)::bigint, \
+           coalesce(sum(letter.copies) FILTER (WHERE letter.applied), 0)::bigint, \
+           coalesce(sum(letter.copies) FILTER (WHERE letter.invalid), 0)::bigint \
+    FROM mq_dead_letter AS letter \
+    WHERE {MATCHING} \
     GROUP BY 1, 2";
 
-/// The rows of `consumer_group` that match `filter`, counted.
+/// The same counts from the tally the triggers keep: a row per reason and
+/// last error, however many letters (no filter, or one by reason, error or
+/// invalid body). `$3`, `$5` and `$6` are null.
+const SUMMARY_OF_TALLY: &str = "\
+    SELECT tally.reason, \
+           CASE WHEN tally.invalid THEN '(invalid body)' \
+                ELSE coalesce(nullif(tally.last_error, ''), '(no failure recorded)') END, \
+           sum(tally.letters)::bigint, \
+           coalesce(sum(tally.letters) FILTER (WHERE NOT tally.invalid AND NOT tally.applied), \
+                    0)::bigint, \
+           coalesce(sum(tally.letters) FILTER (WHERE tally.applied), 0)::bigint, \
+           coalesce(sum(tally.letters) FILTER (WHERE tally.invalid), 0)::bigint \
+    FROM mq_dead_letter_error_tally AS tally \
+    WHERE tally.consumer_group = $1 AND tally.letters <> 0 \
+      AND ($2::varchar IS NULL OR tally.reason = $2) \
+      AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
+      AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
+      AND (NOT $7 OR tally.invalid) \
+    GROUP BY 1, 2";
+
+/// The oldest and the newest death that match, each the first match along
+/// the index on `(consumer_group, dead_at)` from its end: without a filter,
+/// one row read each.
+const SUMMARY_SPAN: &str = "\
+    SELECT (SELECT letter.dead_at FROM mq_dead_letter AS letter WHERE {MATCHING} \
+            ORDER BY letter.dead_at LIMIT 1), \
+           (SELECT letter.dead_at FROM mq_dead_letter AS letter WHERE {MATCHING} \
+            ORDER BY letter.dead_at DESC LIMIT 1)";
+
+/// The same for a filter the tally answers: the oldest and newest row of
+/// each tally row that matches, along the index on `(consumer_group,
+/// md5(last_error), dead_at)`. Matches far from either end of the group's
+/// letters cost no more than those near.
+const SUMMARY_SPAN_OF_TALLY: &str = "\
+    SELECT min(oldest.dead_at), max(newest.dead_at) \
+    FROM mq_dead_letter_error_tally AS tally \
+    CROSS JOIN LATERAL (\
+        SELECT letter.dead_at FROM mq_dead_letter AS letter \
+        WHERE letter.consumer_group = $1 \
+          AND md5(coalesce(letter.last_error, ''))::uuid = tally.error_digest \
+          AND letter.reason = tally.reason AND letter.invalid = tally.invalid \
+          AND letter.applied = tally.applied \
+        ORDER BY letter.dead_at LIMIT 1) AS oldest \
+    CROSS JOIN LATERAL (\
+        SELECT letter.dead_at FROM mq_dead_letter AS letter \
+        WHERE letter.consumer_group = $1 \
+          AND md5(coalesce(letter.last_error, ''))::uuid = tally.error_digest \
+          AND letter.reason = tally.reason AND letter.invalid = tally.invalid \
+          AND letter.applied = tally.applied \
+        ORDER BY letter.dead_at DESC LIMIT 1) AS newest \
+    WHERE tally.consumer_group = $1 AND tally.letters <> 0 \
+      AND ($2::varchar IS NULL OR tally.reason = $2) \
+      AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
+      AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
+      AND (NOT $7 OR tally.invalid)";
+
+/// The rows of `consumer_group` that match `filter`, counted: from the
+/// tally when the filter is by reason, error or invalid body only, from the
+/// rows otherwise.
 pub(super) async fn summary(
     client: &impl GenericClient,
     consumer_group: &str,
     filter: &IndexFilter,
 ) -> Result<IndexSummary, tokio_postgres::Error> {
     let seconds = |d: &Duration| d.as_secs_f64();
-    let rows = client
-        .query(
-            SUMMARY,
-            &[
-                &consumer_group,
-                &filter.reason,
-                &filter.event_id,
-                &filter.error,
-                &filter.older_than.as_ref().map(seconds),
-                &filter.newer_than.as_ref().map(seconds),
-                &filter.invalid,
-            ],
-        )
-        .await?;
+    let older_than = filter.older_than.as_ref().map(seconds);
+    let newer_than = filter.newer_than.as_ref().map(seconds);
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+        &consumer_group,
+        &filter.reason,
+        &filter.event_id,
+        &filter.error,
+        &older_than,
+        &newer_than,
+        &filter.invalid,
+    ];
+    let by_rows = filter.event_id.is_some() || older_than.is_some() || newer_than.is_some();
+    let counts = if by_rows {
+        SUMMARY_OF_ROWS.replace("{MATCHING}", MATCHING_ROWS)
+    } else {
+        SUMMARY_OF_TALLY.to_owned()
+    };
+    let rows = client.query(&counts, &params).await?;
     let mut summary = IndexSummary::default();
     for row in rows {
         let reason: String = row.try_get(0)?;
         let error: String = row.try_get(1)?;
         let letters: i64 = row.try_get(2)?;
-        let oldest: SystemTime = row.try_get(3)?;
-        let newest: SystemTime = row.try_get(4)?;
         summary.letters += letters;
         *summary.reasons.entry(reason).or_default() += letters;
         *summary.errors.entry(error).or_default() += letters;
-        summary.oldest = Some(summary.oldest.map_or(oldest, |t| t.min(oldest)));
-        summary.newest = Some(summary.newest.map_or(newest, |t| t.max(newest)));
-        summary.would_apply += row.try_get::<_, i64>(5)?;
-        summary.applied += row.try_get::<_, i64>(6)?;
-        summary.invalid += row.try_get::<_, i64>(7)?;
+        summary.would_apply += row.try_get::<_, i64>(3)?;
+        summary.applied += row.try_get::<_, i64>(4)?;
+        summary.invalid += row.try_get::<_, i64>(5)?;
+    }
+    if summary.letters > 0 {
+        // Without a filter, the group's two ends.
+        let unfiltered = filter.reason.is_none() && filter.error.is_none() && !filter.invalid;
+        let span = if by_rows || unfiltered {
+            SUMMARY_SPAN.replace("{MATCHING}", MATCHING_ROWS)
+        } else {
+            SUMMARY_SPAN_OF_TALLY.to_owned()
+        };
+        let span = client.query_one(&span, &params).await?;
+        summary.oldest = span.try_get(0)?;
+        summary.newest = span.try_get(1)?;
     }
     Ok(summary)
 }

@@ -33,6 +33,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(8, "0008_claim_fast_paths.sql"),
     migration!(9, "0009_claim_one_event.sql"),
     migration!(10, "0010_dead_letter_index.sql"),
+    migration!(11, "0011_dead_letter_summary_tally.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.

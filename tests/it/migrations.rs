@@ -149,6 +149,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0008_claim_fast_paths.sql",
             "0009_claim_one_event.sql",
             "0010_dead_letter_index.sql",
+            "0011_dead_letter_summary_tally.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -433,5 +434,78 @@ async fn a_handler_whose_migrations_skip_a_number_is_refused_before_anything_run
         .await?
         .get(0);
     assert_eq!(notes, 0, "not even its first migration was applied");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_index_from_before_the_summary_tally_is_tallied_and_knows_what_was_applied()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // What idem's migrate left with the dead-letter index, before its
+    // summary tally: three rows, one of an event the group applied.
+    let old = Schema::left_by(&env, "index", 10).await?;
+    let applied = format!("{}-applied", env.name);
+    old.sql(&format!(
+        "SELECT mq_claim(ARRAY['{applied}'], '{GROUP}');
+         INSERT INTO mq_dead_letter (consumer_group, letter_key, event_id, queue, reason, \
+             failures, last_error, invalid, copies, dead_at) VALUES \
+         ('{GROUP}', 'event {applied}', '{applied}', 'q', 'rejected', 0, NULL, false, 2, now()), \
+         ('{GROUP}', 'event e-2', 'e-2', 'q', 'rejected', 3, 'boom', false, 1, now()), \
+         ('{GROUP}', 'body 00', NULL, 'q', 'rejected', 0, 'not JSON', true, 1, now()), \
+         ('other', 'event e-3', 'e-3', 'q', 'delivery_limit', 0, NULL, false, 4, now());"
+    ))
+    .await?;
+
+    let migrated = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    assert_eq!(migrated[0], "0011_dead_letter_summary_tally.sql");
+    let client = old.pool.get().await?;
+    let applied_rows: Vec<String> = client
+        .query(
+            "SELECT letter_key FROM mq_dead_letter WHERE applied ORDER BY 1",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(applied_rows, [format!("event {applied}")]);
+    let tally: Vec<(String, String, bool, bool, String, i64)> = client
+        .query(
+            "SELECT consumer_group, reason, invalid, applied, last_error, letters \
+             FROM mq_dead_letter_error_tally ORDER BY 1, 2, 3, 4, 5",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| {
+            (
+                row.get(0),
+                row.get(1),
+                row.get(2),
+                row.get(3),
+                row.get(4),
+                row.get(5),
+            )
+        })
+        .collect();
+    let row = |group: &str, reason: &str, invalid, applied, error: &str, letters| {
+        (
+            group.to_owned(),
+            reason.to_owned(),
+            invalid,
+            applied,
+            error.to_owned(),
+            letters,
+        )
+    };
+    assert_eq!(
+        tally,
+        [
+            row("other", "delivery_limit", false, false, "", 4),
+            row(GROUP, "rejected", false, false, "boom", 1),
+            row(GROUP, "rejected", false, true, "", 2),
+            row(GROUP, "rejected", true, false, "not JSON", 1),
+        ]
+    );
     Ok(())
 }

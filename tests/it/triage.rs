@@ -198,6 +198,17 @@ async fn a_summary_counts_dead_letters_per_reason_and_last_error() -> anyhow::Re
         stdout.contains("a replay would apply 3, find 1 applied already; 3 invalid or unknown"),
         "{stdout}"
     );
+    // The summary read the tally the index's triggers keep; one by time
+    // reads the rows, and finds the same (every letter died within a day).
+    for filter in [&[][..], &["--reason", "rejected"], &["--error", "poisoned"]] {
+        let by_tally = idem(&env, &[&["dlq", "summary"], filter].concat()).await?;
+        let by_rows = idem(
+            &env,
+            &[&["dlq", "summary"], filter, &["--newer-than", "1d"]].concat(),
+        )
+        .await?;
+        assert_eq!(by_tally, by_rows, "{filter:?}");
+    }
     assert_eq!(
         env.ready(&env.topology.dead_letter_queue).await? as usize,
         letters.count(),
@@ -553,9 +564,34 @@ async fn two_dead_copies_of_one_event_both_match_its_error() -> anyhow::Result<(
 }
 
 /// The dead-letter index of `env`'s group: each row's key, reason, count of
-/// failures, whether its body is invalid, and copies, by key.
+/// failures, whether its body is invalid, and copies, by key. Checks first
+/// that the tallies the index's triggers keep count its rows.
 async fn index_rows(env: &TestEnv) -> anyhow::Result<Vec<(String, String, i32, bool, i32)>> {
     let client = env.pool.get().await?;
+    let disagree: i64 = client
+        .query_one(
+            "WITH counted AS (\
+                 SELECT consumer_group, reason, invalid, applied, \
+                        coalesce(last_error, '') AS last_error, sum(copies) AS letters \
+                 FROM mq_dead_letter GROUP BY 1, 2, 3, 4, 5), \
+             tallied AS (\
+                 SELECT consumer_group, reason, invalid, applied, last_error, letters \
+                 FROM mq_dead_letter_error_tally), \
+             by_reason AS (\
+                 SELECT consumer_group, reason, sum(copies) AS letters \
+                 FROM mq_dead_letter GROUP BY 1, 2), \
+             reasons AS (\
+                 SELECT consumer_group, reason, letters FROM mq_dead_letter_tally \
+                 WHERE letters <> 0) \
+             SELECT (SELECT count(*) FROM ((TABLE counted EXCEPT TABLE tallied) \
+                                           UNION ALL (TABLE tallied EXCEPT TABLE counted)) d) \
+                  + (SELECT count(*) FROM ((TABLE by_reason EXCEPT TABLE reasons) \
+                                           UNION ALL (TABLE reasons EXCEPT TABLE by_reason)) d)",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(disagree, 0, "the tallies and the index's rows disagree");
     let rows = client
         .query(
             "SELECT letter_key, reason, failures, invalid, copies FROM mq_dead_letter \
