@@ -56,6 +56,9 @@ pub struct DlqConfig {
     pub filter: Filter,
     /// Act on at most this many (of those that match).
     pub limit: Option<usize>,
+    /// Look at every letter in the queue, even once as many as the
+    /// dead-letter index counts as matching were found.
+    pub every_letter: bool,
     /// How long to keep trying to (re)connect.
     pub patience: Duration,
 }
@@ -169,6 +172,9 @@ pub struct Report {
     /// Why the run stopped before the end of the queue, if it did: letters
     /// it could not move to the tail.
     pub stopped_early: Option<String>,
+    /// Letters of the queue not looked at: the index agreed with the queue,
+    /// and as many letters as it counts as matching were found.
+    pub not_looked_at: usize,
 }
 
 /// What a sync did to the dead-letter index.
@@ -254,6 +260,8 @@ pub async fn run_showing<H: Handler>(
             report: &mut report,
             nacks: &mut nacks,
             held: Vec::new(),
+            indexed_matches: None,
+            matched: 0,
         };
         let result = pass.run(&connection, shutdown).await;
         close(&connection).await;
@@ -541,6 +549,11 @@ struct Pass<'a, H> {
     /// Letters taken but left in the queue, at most [`HOLD`] of them
     /// between chunks.
     held: Vec<Kept>,
+    /// How many letters match, by the dead-letter index, when it agrees
+    /// with the queue: the pass stops once it found them.
+    indexed_matches: Option<usize>,
+    /// Letters this pass found matching.
+    matched: usize,
 }
 
 impl<H: Handler> Pass<'_, H> {
@@ -576,7 +589,9 @@ impl<H: Handler> Pass<'_, H> {
         // it runs (a replay that fails again, say) is for the next run.
         let mut taking = Taking::start(&getter, &self.config.dead_letter_queue).await?;
         self.progress.set_total(taking.left as u64);
-        while !shutdown.is_cancelled() && self.wanted() != Some(0) {
+        self.report.not_looked_at = 0;
+        self.indexed_matches = self.indexed_matches(taking.left).await;
+        while !shutdown.is_cancelled() && self.wanted() != Some(0) && !self.found_all() {
             let chunk_size = if matches!(self.action, Action::Sync) {
                 SYNC_CHUNK
             } else {
@@ -648,6 +663,9 @@ impl<H: Handler> Pass<'_, H> {
                 }
             }
         }
+        if self.found_all() {
+            self.report.not_looked_at = taking.left;
+        }
         taking.stop(&getter).await?;
         if let Some(started) = sync_started
             && !shutdown.is_cancelled()
@@ -711,6 +729,44 @@ impl<H: Handler> Pass<'_, H> {
         }
         close_channel(&channel).await;
         Ok(())
+    }
+
+    /// How many letters match, by the dead-letter index, if it counts as
+    /// many letters as the queue holds (`in_queue`, when the pass started)
+    /// and can answer the filter (no filter by time: the index's clock and
+    /// the letters' headers may differ by a second). A pass that found
+    /// them stops: where the broker cannot take a letter out of the middle
+    /// of a queue, that spares taking the rest. A letter that came by
+    /// another way than idem's worker (the broker's delivery limit, an
+    /// older idem) makes the queue hold more than the index counts, unless
+    /// a row whose letter is gone (a worker stopped between the two, a
+    /// purge) makes up for it: `idem dlq sync` sets the index right, and
+    /// `--every-letter` looks at every letter whatever the index says.
+    async fn indexed_matches(&self, in_queue: usize) -> Option<usize> {
+        let filter = &self.config.filter;
+        if self.config.every_letter
+            || matches!(self.action, Action::Sync)
+            || filter.older_than.is_some()
+            || filter.newer_than.is_some()
+        {
+            return None;
+        }
+        let totals = self.store.dead_letter_totals().await.ok()?;
+        if usize::try_from(totals.letters).ok()? != in_queue {
+            return None;
+        }
+        let summary = self
+            .store
+            .dead_letter_summary(&IndexFilter::from(filter))
+            .await
+            .ok()?;
+        usize::try_from(summary.letters).ok()
+    }
+
+    /// True once the pass found as many matching letters as the index
+    /// counts.
+    fn found_all(&self) -> bool {
+        self.indexed_matches.is_some_and(|n| self.matched >= n)
     }
 
     /// How many more may be acted on; `None` without a limit.
@@ -798,8 +854,12 @@ impl<H: Handler> Pass<'_, H> {
         let mut wanted = self.wanted();
         let mut matched = Vec::new();
         for letter in chunk {
-            if wanted != Some(0) && self.config.filter.matches(&letter.entry, now) {
+            if wanted != Some(0)
+                && !self.found_all()
+                && self.config.filter.matches(&letter.entry, now)
+            {
                 wanted = wanted.map(|n| n - 1);
+                self.matched += 1;
                 matched.push(letter);
             } else {
                 self.held.push(letter.delivery.into());
@@ -1056,7 +1116,12 @@ impl<H: Handler> Pass<'_, H> {
                     event_id: letter.entry.event_id.clone(),
                     queue: death.map_or_else(String::new, |d| d.queue.clone()),
                     reason: death.map_or_else(|| NO_DEATH.to_owned(), |d| d.reason.clone()),
-                    error: letter.entry.invalid.clone(),
+                    // As the worker words it, without how the body starts.
+                    error: letter
+                        .entry
+                        .invalid
+                        .as_ref()
+                        .and_then(|_| decoded_id(self.handler, &letter.delivery.data).err()),
                     invalid: letter.entry.invalid.is_some(),
                     dead_at: death
                         .and_then(|d| d.time)
@@ -1233,11 +1298,7 @@ const BODY_SHOWN: usize = 80;
 /// The event id of a body the handler can apply; for one it cannot, why
 /// and how it starts.
 fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
-    let decoded = handler.decode(body).and_then(|event| {
-        let id = handler.event_id(&event);
-        crate::handler::check_event_id(id).map(|()| id.to_owned())
-    });
-    decoded.map_err(|invalid| {
+    decoded_id(handler, body).map_err(|invalid| {
         let text = String::from_utf8_lossy(body);
         let mut start: String = text.chars().take(BODY_SHOWN).collect();
         if text.chars().nth(BODY_SHOWN).is_some() {
@@ -1245,6 +1306,19 @@ fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
         }
         format!("{invalid}; the body starts {start:?}")
     })
+}
+
+/// The event id of `body`, or why the handler cannot decode it, in the
+/// handler's words alone: what the worker writes into the dead-letter index
+/// (bodies that fail alike share a line of the summary).
+fn decoded_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
+    handler
+        .decode(body)
+        .and_then(|event| {
+            let id = handler.event_id(&event);
+            crate::handler::check_event_id(id).map(|()| id.to_owned())
+        })
+        .map_err(|invalid| invalid.to_string())
 }
 
 /// What the discard file keeps of a letter: everything needed to publish it
@@ -1463,7 +1537,7 @@ impl fmt::Display for Printed<'_> {
                 f,
                 "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
                 report.listed.len(),
-                report.seen
+                report.seen + report.not_looked_at
             )?;
             for entry in &report.listed {
                 write!(f, "\n  {entry}")?;
@@ -1499,6 +1573,14 @@ impl fmt::Display for Printed<'_> {
                 f,
                 "\n  (stopped before the end of the queue: {}; the rest is still there)",
                 printable(why)
+            )?;
+        }
+        if report.not_looked_at > 0 {
+            write!(
+                f,
+                "\n  ({} letter(s) not looked at: the dead-letter index, which counts every \
+                 letter in the queue, counts no more matches; --every-letter looks at each)",
+                report.not_looked_at
             )?;
         }
         if let Some(error) = &report.index_stale {

@@ -522,6 +522,11 @@ pub(crate) struct FilterArgs {
     /// Act on at most this many of those that match.
     #[arg(long)]
     pub(crate) limit: Option<usize>,
+    /// Look at every letter in the queue; by default a pass stops once it
+    /// found as many matches as the dead-letter index counts, when the
+    /// index counts every letter in the queue.
+    #[arg(long)]
+    pub(crate) every_letter: bool,
     #[command(flatten)]
     pub(crate) target: DlqTargetArgs,
 }
@@ -780,6 +785,7 @@ impl<F: Args> WorkerArgs<F> {
             dead_letter_queue: self.queues.dead_letters.dead_letter_queue.clone(),
             filter: Filter::default(),
             limit: None,
+            every_letter: false,
             patience: self.wait.startup_timeout.0,
         };
         let settings = self.retention_rules.settings(
@@ -875,6 +881,7 @@ impl DlqTargetArgs {
             dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
             filter,
             limit,
+            every_letter: false,
             patience: self.wait.startup_timeout.0,
         })
     }
@@ -925,17 +932,20 @@ impl DlqArgs {
                 View::Listing,
             ),
         };
-        let config = filter.target.config(
-            Filter {
-                reason: filter.reason.clone(),
-                event_id: filter.event_id.clone(),
-                error: filter.error.clone(),
-                older_than: filter.older_than.map(|wait| wait.0),
-                newer_than: filter.newer_than.map(|wait| wait.0),
-                invalid: filter.invalid,
-            },
-            filter.limit,
-        )?;
+        let config = DlqConfig {
+            every_letter: filter.every_letter,
+            ..filter.target.config(
+                Filter {
+                    reason: filter.reason.clone(),
+                    event_id: filter.event_id.clone(),
+                    error: filter.error.clone(),
+                    older_than: filter.older_than.map(|wait| wait.0),
+                    newer_than: filter.newer_than.map(|wait| wait.0),
+                    invalid: filter.invalid,
+                },
+                filter.limit,
+            )?
+        };
         Ok((config, action, view))
     }
 }

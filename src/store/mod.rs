@@ -708,8 +708,17 @@ impl Store {
         &self,
         filter: &IndexFilter,
     ) -> Result<IndexSummary, StoreError> {
-        let client = self.pool.get().await?;
-        Ok(dead_letters::summary(&client, &self.consumer_group, filter).await?)
+        let mut client = self.pool.get().await?;
+        // Planned for the filter given: idem's connections plan generically
+        // (for the worker's statements), which would read every row here
+        // for the filters that are not there.
+        let transaction = client.transaction().await?;
+        transaction
+            .batch_execute("SET LOCAL plan_cache_mode = force_custom_plan")
+            .await?;
+        let summary = dead_letters::summary(&transaction, &self.consumer_group, filter).await?;
+        transaction.commit().await?;
+        Ok(summary)
     }
 
     /// Forgets the failures of `event_ids`: a replay starts a fresh budget.

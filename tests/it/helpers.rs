@@ -603,6 +603,7 @@ impl TestEnv {
             dead_letter_queue: self.topology.dead_letter_queue.clone(),
             filter: idem::dlq::Filter::default(),
             limit: None,
+            every_letter: false,
             patience: patient(Duration::from_secs(5)),
         }
     }

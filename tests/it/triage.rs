@@ -139,6 +139,7 @@ fn config(env: &TestEnv, filter: Filter) -> DlqConfig {
         dead_letter_queue: env.topology.dead_letter_queue.clone(),
         filter,
         limit: None,
+        every_letter: false,
         patience: patient(Duration::from_secs(5)),
     }
 }
@@ -851,5 +852,110 @@ async fn a_pass_over_more_letters_than_a_quorum_queue_hands_out_moves_what_it_ke
     let rows = index_rows(&env).await?;
     assert_eq!(rows.len(), invalid.len());
     assert!(rows.iter().all(|row| row.3), "{rows:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_stops_once_it_found_the_matches_the_index_counts_when_it_counts_every_letter()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    // Ten events that fail, dead-lettered first, then 290 bodies that are
+    // not events: the index counts every letter in the queue.
+    env.poison_order("poison-order").await?;
+    let poisoned: Vec<Vec<u8>> = (0..10)
+        .map(|i| {
+            PaymentSucceeded {
+                event_id: format!("{}-poisoned-{i}", env.name),
+                order_id: "poison-order".into(),
+                points: 1,
+            }
+            .to_body()
+        })
+        .collect();
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 1;
+    let worker = RunningWorker::start(config);
+    env.publish_bodies(&poisoned).await?;
+    wait_for("the failed events", Duration::from_secs(30), || async {
+        Ok(env.ready(&dead_letters).await? == 10)
+    })
+    .await?;
+    let invalid: Vec<Vec<u8>> = (0..290)
+        .map(|i| format!("not an event {i}").into_bytes())
+        .collect();
+    env.publish_bodies(&invalid).await?;
+    wait_for("every dead letter", Duration::from_secs(30), || async {
+        Ok(env.ready(&dead_letters).await? == 300)
+    })
+    .await?;
+    worker.stop().await?;
+
+    // The replay of the ten stops once it found them: the letters after
+    // them in the queue are not taken.
+    let (code, stdout) = idem(&env, &["dlq", "replay", "--error", "poisoned"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.starts_with("replayed 10 message(s)"), "{stdout}");
+    let not_looked_at: usize = stdout
+        .split_once("\n  (")
+        .and_then(|(_, rest)| rest.split_once(" letter(s) not looked at"))
+        .and_then(|(n, _)| n.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no letters left unseen in: {stdout}"))?;
+    assert!(not_looked_at > 0 && not_looked_at < 290, "{stdout}");
+    assert_eq!(env.ready(&env.topology.queue).await?, 10);
+    assert_eq!(env.ready(&dead_letters).await?, 290);
+    let connection = env.connect().await?;
+    let channel = connection.create_channel().await?;
+    channel
+        .queue_purge(env.topology.queue.as_str().into(), Default::default())
+        .await?;
+    connection.close(200, "OK".into()).await?;
+
+    // A letter that came by the broker's hop, which the index does not
+    // know of: the queue holds more than it counts, and a replay looks at
+    // every letter to find it.
+    let unknown = PaymentSucceeded {
+        event_id: format!("{}-unknown", env.name),
+        order_id: "fine-order".into(),
+        points: 2,
+    };
+    env.publish_events(std::slice::from_ref(&unknown)).await?;
+    reject(&env, &env.topology.queue, 1, false).await?;
+    wait_for(
+        "the letter the index lacks",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&dead_letters).await? == 291) },
+    )
+    .await?;
+    let (code, stdout) = idem(&env, &["dlq", "replay", "--event-id", &unknown.event_id]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.starts_with("replayed 1 message(s)"), "{stdout}");
+    assert!(!stdout.contains("not looked at"), "{stdout}");
+    assert_eq!(env.ready(&env.topology.queue).await?, 1);
+    assert_eq!(env.ready(&dead_letters).await?, 290);
+
+    // --every-letter looks at every letter even when the index agrees.
+    let (code, stdout) = idem(
+        &env,
+        &["dlq", "list", "--error", "poisoned", "--every-letter"],
+    )
+    .await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.starts_with(&format!(
+            "0 of 290 dead-lettered message(s) in {dead_letters} match"
+        )),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("not looked at"), "{stdout}");
+    let (code, stdout) = idem(&env, &["dlq", "list", "--error", "poisoned"]).await?;
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(
+        stdout.starts_with(&format!(
+            "0 of 290 dead-lettered message(s) in {dead_letters} match"
+        )) && stdout.contains("(290 letter(s) not looked at"),
+        "{stdout}"
+    );
+    assert_eq!(env.ready(&dead_letters).await?, 290);
     Ok(())
 }
