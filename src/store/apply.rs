@@ -5,6 +5,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use tokio_postgres::error::SqlState;
+
 use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
@@ -74,6 +76,8 @@ pub struct Applier<H: Handler> {
     /// The handler's tally and the one statement that claims and applies
     /// it, when the handler has one: `[without, with]` the ledger clear.
     tally: Option<(Tally<H::Event>, [String; 2])>,
+    /// The same for one event claimed straight into the current epoch.
+    straight: Option<String>,
     /// The same statements writing the outbox rows of the events too, when
     /// the handler has a tally and sends messages.
     tally_and_send: Option<[String; 2]>,
@@ -119,10 +123,14 @@ impl<H: Handler> Applier<H> {
             .map(|(tally, _)| {
                 [false, true].map(|clear| claim::claim_tally_and_send_statement(tally, clear))
             });
+        let straight = tally
+            .as_ref()
+            .map(|(tally, _)| claim::straight_claim_and_tally_statement(tally));
         Ok(Self {
             store,
             handler,
             tally,
+            straight,
             tally_and_send,
             claim: claim::claim_statement(),
             send: H::SENDS_MESSAGES.then(outbox::insert_statement),
@@ -212,6 +220,35 @@ impl<H: Handler> Applier<H> {
             // Only the rows of events that go in are written: the statement
             // joins them to its claim.
             let sent = Rows::of(group, outbox_of(handler, &ids, &distinct));
+            if let (Some(straight), Some(epoch), [id], [digest], [key], [amount]) = (
+                &self.straight,
+                consulted.straight,
+                ids.as_slice(),
+                digests.as_slice(),
+                keys.as_slice(),
+                amounts.as_slice(),
+            ) && !clear_ledger
+                && sent.is_empty()
+            {
+                let statement = client.prepare_cached(straight).await.map_err(database)?;
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                    [id, &group, digest, &epoch, key, amount];
+                match client.query(&statement, &params).await {
+                    // In: applied. Not in: a duplicate, or a digest clash,
+                    // which the claim below tells apart.
+                    Ok(rows) if !rows.is_empty() => {
+                        self.store.filters.went_straight();
+                        return claimed(&ids, &rows).map_err(database);
+                    }
+                    Ok(_) => {}
+                    // The epoch closed (or was dropped) since the filters
+                    // were synced: its partition refused the record.
+                    Err(error) if refused_by_closed_epoch(&error) => {
+                        self.store.filters.not_straight();
+                    }
+                    Err(error) => return Err(database(error)),
+                }
+            }
             let mut params = claim_params.to_vec();
             params.push(&keys);
             params.push(&amounts);
@@ -314,6 +351,17 @@ fn outbox_of<'e, H: Handler>(handler: &H, ids: &[&'e str], events: &[&H::Event])
     Outbox::new(H::SENDS_MESSAGES, ids, |place| {
         handler.outgoing(events[place])
     })
+}
+
+/// Whether `error` is a consume record refused by the partition of a
+/// closed epoch (its `_closed` constraint, migration 0012) or by the
+/// partitioned table when the epoch's partition is gone.
+fn refused_by_closed_epoch(error: &tokio_postgres::Error) -> bool {
+    error.code() == Some(&SqlState::CHECK_VIOLATION)
+        && error.as_db_error().is_some_and(|db| {
+            db.table()
+                .is_some_and(|table| table.starts_with("mq_consume_record"))
+        })
 }
 
 /// The claim's answer: which of `ids` went in.

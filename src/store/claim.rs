@@ -117,6 +117,32 @@ fn claim_tally_then<E>(tally: &Tally<E>, clear_ledger: bool, steps: &str) -> Str
     )
 }
 
+/// The claim of one event straight into the epoch `$4` (no `mq_claim`:
+/// see [`super::filter::Consulted::straight`]) and a [`Tally`]'s effect of
+/// it, as one statement: `$1` the event id, `$2` the consumer group, `$3`
+/// its [`digest`], `$5` the tally's key, `$6` its amount. Yields the event
+/// id if it went in. Nothing in: a duplicate, or another event holds its
+/// digest, which `mq_claim` tells apart. A closed epoch refuses the record
+/// (`check_violation`). No ledger clear: for first deliveries.
+pub(super) fn straight_claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
+    let Tally {
+        table, key, amount, ..
+    } = tally;
+    format!(
+        "WITH claimed AS (\
+            INSERT INTO mq_consume_record AS record (event_id, consumer_group, digest, epoch) \
+            VALUES ($1::varchar, $2::varchar, $3::uuid, $4::int) \
+            ON CONFLICT DO NOTHING \
+            RETURNING record.event_id), \
+         tallied AS (\
+            INSERT INTO {table} ({key}, {amount}) \
+            SELECT $5::varchar, $6::bigint FROM claimed \
+            {upsert}) \
+         SELECT event_id FROM claimed",
+        upsert = upsert(tally),
+    )
+}
+
 /// A [`Tally`]'s effect alone, inside a transaction: `$1` keys, `$2` amounts.
 pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
     let Tally {

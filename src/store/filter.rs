@@ -44,12 +44,23 @@ impl EpochFilter {
     }
 }
 
+/// What a sync found, replaced whole: a claim reads the filters and the
+/// current epoch of one sync.
+#[derive(Default)]
+struct Held {
+    /// The filters held, oldest epoch first.
+    filters: Vec<Arc<EpochFilter>>,
+    /// The current epoch, when these filters cover every closed epoch
+    /// keyed by digest and no epoch is keyed by text: a claim of an event
+    /// none of them may hold can insert straight into it.
+    straight: Option<i32>,
+}
+
 /// The filters a store's claims consult, shared by the transactions in
 /// flight and replaced whole by [`Filters::sync`].
 #[derive(Default)]
 pub struct Filters {
-    /// The filters held, oldest epoch first.
-    held: RwLock<Arc<Vec<Arc<EpochFilter>>>>,
+    held: RwLock<Arc<Held>>,
     counters: EpochCounters,
 }
 
@@ -77,6 +88,9 @@ pub struct EpochCounters {
     /// Lookups in a closed epoch that a filter asked for (its events that
     /// were in the epoch, and the false positives).
     pub lookups: Counter,
+    /// Events claimed straight into the current epoch
+    /// ([`Consulted::straight`]).
+    pub straight: Counter,
 }
 
 /// What a claim learned from the filters: the closed epochs they cover
@@ -89,6 +103,11 @@ pub(super) struct Consulted {
     pub(super) closed_at: Vec<SystemTime>,
     pub(super) suspect_at: Vec<i32>,
     pub(super) suspect_epoch: Vec<i32>,
+    /// The epoch the claim may insert straight into, without `mq_claim`:
+    /// the filters cover every closed epoch and none may hold any of the
+    /// events. Its partition refuses the insert if it is closed since
+    /// (migration 0012).
+    pub(super) straight: Option<i32>,
 }
 
 /// What a pass of [`Filters::sync`] did.
@@ -142,38 +161,66 @@ impl Filters {
 
     /// The epochs whose filter is held, oldest first.
     pub fn epochs(&self) -> Vec<i32> {
-        self.held().iter().map(|filter| filter.epoch).collect()
+        self.held()
+            .filters
+            .iter()
+            .map(|filter| filter.epoch)
+            .collect()
     }
 
     /// The memory the filters held take.
     pub fn bytes(&self) -> usize {
-        self.held().iter().map(|filter| filter.bytes()).sum()
+        self.held()
+            .filters
+            .iter()
+            .map(|filter| filter.bytes())
+            .sum()
     }
 
-    fn held(&self) -> Arc<Vec<Arc<EpochFilter>>> {
+    fn held(&self) -> Arc<Held> {
         // A panic elsewhere cannot leave the Arc half-replaced.
         Arc::clone(&self.held.read().unwrap_or_else(PoisonError::into_inner))
     }
 
-    fn hold(&self, filters: Vec<Arc<EpochFilter>>) {
-        self.counters.filtered.set(filters.len() as i64);
-        self.counters
-            .bytes
-            .set(filters.iter().map(|filter| filter.bytes()).sum::<usize>() as i64);
-        *self.held.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(filters);
+    fn hold(&self, held: Held) {
+        self.counters.filtered.set(held.filters.len() as i64);
+        self.counters.bytes.set(
+            held.filters
+                .iter()
+                .map(|filter| filter.bytes())
+                .sum::<usize>() as i64,
+        );
+        *self.held.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(held);
+    }
+
+    /// Counts an event claimed straight into the current epoch.
+    pub(super) fn went_straight(&self) {
+        self.counters.straight.inc();
+    }
+
+    /// Claims insert through `mq_claim` until the next sync: the epoch they
+    /// were told was current is closed.
+    pub(super) fn not_straight(&self) {
+        let mut held = self.held.write().unwrap_or_else(PoisonError::into_inner);
+        if held.straight.is_some() {
+            *held = Arc::new(Held {
+                filters: held.filters.clone(),
+                straight: None,
+            });
+        }
     }
 
     /// Which held filters may hold each of `digests`.
     pub(super) fn consult(&self, digests: &[Uuid]) -> Consulted {
         let held = self.held();
         let mut consulted = Consulted {
-            filtered: held.iter().map(|filter| filter.epoch).collect(),
-            closed_at: held.iter().map(|filter| filter.closed_at).collect(),
+            filtered: held.filters.iter().map(|filter| filter.epoch).collect(),
+            closed_at: held.filters.iter().map(|filter| filter.closed_at).collect(),
             ..Consulted::default()
         };
         for (at, digest) in (1..).zip(digests) {
             let hash = hash(digest);
-            for filter in held.iter() {
+            for filter in held.filters.iter() {
                 if filter.bits.contains_hash(hash) {
                     consulted.suspect_at.push(at);
                     consulted.suspect_epoch.push(filter.epoch);
@@ -183,6 +230,9 @@ impl Filters {
         self.counters
             .lookups
             .inc_by(consulted.suspect_at.len() as u64);
+        if consulted.suspect_at.is_empty() {
+            consulted.straight = held.straight;
+        }
         consulted
     }
 
@@ -198,10 +248,14 @@ impl Filters {
         memory: usize,
         build: bool,
     ) -> Result<Synced, StoreError> {
-        let closed = closed_epochs(client).await?;
+        let Epochs {
+            closed,
+            current,
+            by_text,
+        } = epochs(client).await?;
         let mut synced = Synced::default();
         let mut kept = Vec::new();
-        for filter in self.held().iter() {
+        for filter in self.held().filters.iter() {
             if closed.iter().any(|epoch| epoch.is(filter)) {
                 kept.push(Arc::clone(filter));
             } else {
@@ -245,7 +299,11 @@ impl Filters {
         kept.sort_by_key(|filter| filter.epoch);
         synced.bytes = bytes;
         self.counters.unfiltered.set(synced.unfiltered.len() as i64);
-        self.hold(kept);
+        let straight = current.filter(|_| !by_text && synced.unfiltered.is_empty());
+        self.hold(Held {
+            filters: kept,
+            straight,
+        });
         Ok(synced)
     }
 }
@@ -270,30 +328,51 @@ impl ClosedEpoch {
     }
 }
 
+/// The epochs, as a sync reads them.
+struct Epochs {
+    /// The closed epochs keyed by digest, oldest first.
+    closed: Vec<ClosedEpoch>,
+    /// The current one.
+    current: Option<i32>,
+    /// Whether an epoch is keyed by text (from before migration 0006).
+    by_text: bool,
+}
+
 /// The closed epochs keyed by digest, oldest first, each with when the
 /// next one opened and the records it took until then (the id sequence's
-/// progress).
-async fn closed_epochs(client: &Client) -> Result<Vec<ClosedEpoch>, StoreError> {
+/// progress); the current epoch, and whether any is keyed by text.
+async fn epochs(client: &Client) -> Result<Epochs, StoreError> {
     let rows = client
         .query(
-            "SELECT epoch, closed_at, next_first - first_id FROM (\
+            "SELECT epoch, by_digest, closed_at, next_first - first_id FROM (\
                  SELECT epoch, by_digest, first_id, \
                         lead(opened_at) OVER (ORDER BY epoch) AS closed_at, \
                         lead(first_id) OVER (ORDER BY epoch) AS next_first \
                  FROM mq_consume_epoch) AS epochs \
-             WHERE by_digest AND closed_at IS NOT NULL ORDER BY epoch",
+             ORDER BY epoch",
             &[],
         )
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(ClosedEpoch {
-                epoch: row.try_get(0)?,
-                closed_at: row.try_get(1)?,
-                records: row.try_get(2)?,
-            })
-        })
-        .collect()
+    let mut epochs = Epochs {
+        closed: Vec::new(),
+        current: None,
+        by_text: false,
+    };
+    for row in &rows {
+        let epoch: i32 = row.try_get(0)?;
+        let by_digest: bool = row.try_get(1)?;
+        epochs.by_text |= !by_digest;
+        match row.try_get::<_, Option<SystemTime>>(2)? {
+            None => epochs.current = Some(epoch),
+            Some(closed_at) if by_digest => epochs.closed.push(ClosedEpoch {
+                epoch,
+                closed_at,
+                records: row.try_get(3)?,
+            }),
+            Some(_) => {}
+        }
+    }
+    Ok(epochs)
 }
 
 /// The epochs whose filter is stored, and its size.

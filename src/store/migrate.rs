@@ -34,6 +34,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(9, "0009_claim_one_event.sql"),
     migration!(10, "0010_dead_letter_index.sql"),
     migration!(11, "0011_dead_letter_summary_tally.sql"),
+    migration!(12, "0012_closed_epochs_refuse_records.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.

@@ -267,6 +267,12 @@ impl Stats {
              record, or a false positive, about one in 28,000 per epoch)",
             stats.epochs.lookups.clone(),
         );
+        registry.register(
+            "straight_claims",
+            "Events claimed straight into the current epoch, without the claim function \
+             (per-message mode, first deliveries, every closed epoch filtered)",
+            stats.epochs.straight.clone(),
+        );
         Self { registry, ..stats }
     }
 

@@ -28,6 +28,7 @@ const EVENTS_PER_ROUND: usize = 10;
 fn race<H>(
     applier: &Arc<Applier<H>>,
     events: &Arc<Vec<PaymentSucceeded>>,
+    first_deliveries: bool,
 ) -> (
     Arc<tokio::sync::Barrier>,
     tokio::task::JoinSet<anyhow::Result<usize>>,
@@ -44,7 +45,14 @@ where
             let mut went_in = 0;
             for i in 0..events.len() {
                 let event = &events[(i + racer * 3) % events.len()];
-                let mut claimed = apply(&applier, &[event]).await?;
+                let mut claimed = if first_deliveries {
+                    applier
+                        .apply_first_deliveries(&[event])
+                        .await
+                        .map_err(|failure| anyhow::anyhow!("{}", failure.reason))?
+                } else {
+                    apply(&applier, &[event]).await?
+                };
                 went_in += usize::from(claimed.take(&event.event_id));
             }
             anyhow::Ok(went_in)
@@ -84,7 +92,7 @@ where
                 })
                 .collect(),
         );
-        let (start, racers) = race(&applier, &events);
+        let (start, racers) = race(&applier, &events, false);
         let client = env.pool.get().await?;
         start.wait().await;
         // Two epochs opened while the racers claim, the second as soon as
@@ -133,7 +141,10 @@ async fn duplicates_racing_across_new_epochs_apply_once_in_a_longer_transaction(
 /// worker closes them, and by age) and their filters are built and taken
 /// up: each new event goes in exactly once, and every earlier one, now in
 /// a closed epoch the claims look into through its filter, is a duplicate.
-async fn duplicates_race_across_filtered_epochs<H>(handler: H) -> anyhow::Result<()>
+async fn duplicates_race_across_filtered_epochs<H>(
+    handler: H,
+    first_deliveries: bool,
+) -> anyhow::Result<()>
 where
     H: Handler<Event = PaymentSucceeded> + Send + Sync + 'static,
 {
@@ -163,7 +174,7 @@ where
                 )
                 .collect(),
         );
-        let (start, racers) = race(&applier, &events);
+        let (start, racers) = race(&applier, &events, first_deliveries);
         start.wait().await;
         // An epoch closed by size (one record is enough), one by age, and
         // the filters synced, while the racers claim.
@@ -192,19 +203,34 @@ where
         "{} filters for {closed} closed epochs",
         filters.epochs().len()
     );
+    // One event at a time, first deliveries, a tally: after each sync, the
+    // claims went straight into the epoch the sync found current, until the
+    // epochs opened under them refused them.
+    assert_eq!(
+        counters.straight.get() > 0,
+        first_deliveries,
+        "{} straight claims",
+        counters.straight.get()
+    );
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_racing_across_filtered_epochs_apply_once_in_one_statement() -> anyhow::Result<()>
 {
-    duplicates_race_across_filtered_epochs(Points).await
+    duplicates_race_across_filtered_epochs(Points, false).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_racing_across_filtered_epochs_apply_once_straight_into_the_current_epoch()
+-> anyhow::Result<()> {
+    duplicates_race_across_filtered_epochs(Points, true).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicates_racing_across_filtered_epochs_apply_once_in_a_longer_transaction()
 -> anyhow::Result<()> {
-    duplicates_race_across_filtered_epochs(Untallied(Points)).await
+    duplicates_race_across_filtered_epochs(Untallied(Points), false).await
 }
 
 /// A database restored from before an epoch closed has that epoch current
@@ -231,17 +257,26 @@ async fn a_filter_of_an_epoch_closed_before_a_restore_covers_nothing() -> anyhow
     filters.sync(&mut client, usize::MAX, true).await?;
     assert_eq!(filters.epochs(), vec![epoch]);
 
-    // The restore: the epoch current again, without its filter; a record
-    // goes in; another process closes it again.
+    // The restore: the epoch current again, without its filter, its
+    // partition taking records again; a record goes in; another process
+    // closes it again.
     client
         .batch_execute(&format!(
             "DROP TABLE mq_consume_record_{next};
              DELETE FROM mq_consume_epoch WHERE epoch = {next};
-             DELETE FROM mq_consume_filter WHERE epoch = {epoch};",
+             DELETE FROM mq_consume_filter WHERE epoch = {epoch};
+             ALTER TABLE mq_consume_record_{epoch} DROP CONSTRAINT mq_consume_record_{epoch}_closed;",
             next = epoch + 1
         ))
         .await?;
-    assert!(apply(&applier, &[&after]).await?.take(&after.event_id));
+    // A first delivery: the sync above let claims go straight into the
+    // epoch after, whose partition is gone; it goes in through the claim.
+    let first = applier
+        .apply_first_deliveries(&[&after])
+        .await
+        .map_err(|failure| anyhow::anyhow!("{}", failure.reason))?;
+    let mut first = first;
+    assert!(first.take(&after.event_id));
     retention::open_epoch(&client).await?;
 
     // The filter held is from before: the copy is found all the same.
