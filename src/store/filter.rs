@@ -88,8 +88,9 @@ pub struct EpochCounters {
     /// Lookups in a closed epoch that a filter asked for (its events that
     /// were in the epoch, and the false positives).
     pub lookups: Counter,
-    /// Events claimed straight into the current epoch
-    /// ([`Consulted::straight`]).
+    /// Events claimed straight into the current epoch, without
+    /// `mq_claim`: a first delivery of one event none of the filters may
+    /// hold, when they cover every closed epoch.
     pub straight: Counter,
 }
 
