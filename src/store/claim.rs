@@ -123,8 +123,9 @@ fn claim_tally_then<E>(tally: &Tally<E>, clear_ledger: bool, steps: &str) -> Str
 /// its [`digest`], `$5` the tally's key, `$6` its amount. Yields the event
 /// id if it went in. Nothing in: a duplicate, or another event holds its
 /// digest, which `mq_claim` tells apart. A closed epoch refuses the record
-/// (`check_violation`). No ledger clear: for first deliveries.
-pub(super) fn straight_claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
+/// (`check_violation`). No ledger clear: for first deliveries. Public for
+/// tools that measure it (`idem bench --pgbench`).
+pub fn straight_claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
     let Tally {
         table, key, amount, ..
     } = tally;

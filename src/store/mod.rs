@@ -30,7 +30,7 @@ use tracing::warn;
 pub use apply::{Applier, Claimed, Failure, apply_tally};
 #[cfg(feature = "tools")]
 pub(crate) use claim::general_path_statements;
-pub use claim::{claim_and_tally_statement, digest, recorded};
+pub use claim::{claim_and_tally_statement, digest, recorded, straight_claim_and_tally_statement};
 pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
 pub(crate) use failure::describe;

@@ -18,6 +18,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use lapin::Connection;
 use lapin::message::Delivery;
 use lapin::types::DeliveryTag;
+use prometheus_client::metrics::counter::Counter;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
@@ -40,15 +41,19 @@ const NACK_PATIENCE: Duration = Duration::from_secs(30);
 pub(crate) struct Forwarder {
     connection: Arc<Connection>,
     channel: Mutex<ConfirmChannel>,
+    /// Copies the broker nacked and that went again (the worker's metric).
+    nacked: Counter,
 }
 
 impl Forwarder {
-    /// Opens the first confirm channel on `connection`.
-    pub(crate) async fn open(connection: Arc<Connection>) -> lapin::Result<Self> {
+    /// Opens the first confirm channel on `connection`; copies nacked and
+    /// sent again are counted in `nacked`.
+    pub(crate) async fn open(connection: Arc<Connection>, nacked: Counter) -> lapin::Result<Self> {
         let channel = ConfirmChannel::open(&connection).await?;
         Ok(Self {
             connection,
             channel: Mutex::new(channel),
+            nacked,
         })
     }
 
@@ -149,6 +154,7 @@ pub(crate) async fn send(forwarder: &Forwarder, mut copies: Vec<Copy>) -> Vec<Se
             settlements.extend(refused);
             return settlements;
         }
+        forwarder.nacked.inc_by(nacked.len() as u64);
         match forwarder.replace(&channel).await {
             Ok(fresh) => channel = fresh,
             Err(error) => {

@@ -633,7 +633,7 @@ async fn session<H: Handler>(
         consume: channel,
         waits,
         forwarder,
-    } = match open_channels(connection, config).await {
+    } = match open_channels(connection, config, &processor.stats).await {
         Ok(channels) => channels,
         Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
     };
@@ -850,6 +850,7 @@ struct Channels {
 async fn open_channels(
     connection: &Arc<Connection>,
     config: &WorkerConfig,
+    stats: &Stats,
 ) -> lapin::Result<Channels> {
     let consume = connection.create_channel().await?;
     consume
@@ -859,7 +860,8 @@ async fn open_channels(
     waits
         .basic_qos(release::PREFETCH, BasicQosOptions::default())
         .await?;
-    let forwarder = Arc::new(Forwarder::open(Arc::clone(connection)).await?);
+    let forwarder =
+        Arc::new(Forwarder::open(Arc::clone(connection), stats.copies_nacked().clone()).await?);
     Ok(Channels {
         consume,
         waits,

@@ -62,6 +62,7 @@ pub struct Stats {
     pool_max: Gauge,
     relay: crate::relay::RelayCounters,
     epochs: crate::store::filter::EpochCounters,
+    copies_nacked: Counter,
 }
 
 /// A copy of the counters at one moment.
@@ -89,6 +90,9 @@ pub struct Snapshot {
     pub outbox_sent: u64,
     /// Outbox publishes the broker refused.
     pub outbox_refused: u64,
+    /// Copies (to wait, to the dead-letter exchange, due back to work) the
+    /// broker nacked, each sent again on a fresh channel.
+    pub copies_nacked: u64,
 }
 
 impl Snapshot {
@@ -142,6 +146,7 @@ impl Stats {
             pool_max: Gauge::default(),
             relay: crate::relay::RelayCounters::default(),
             epochs: crate::store::filter::EpochCounters::default(),
+            copies_nacked: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -268,6 +273,13 @@ impl Stats {
             stats.epochs.lookups.clone(),
         );
         registry.register(
+            "copies_nacked",
+            "Copies the worker publishes before it acks a delivery (to a wait queue, to the \
+             dead-letter exchange, due back to the work queue) that the broker nacked: each \
+             goes again on a fresh channel for up to 30 s",
+            stats.copies_nacked.clone(),
+        );
+        registry.register(
             "straight_claims",
             "Events claimed straight into the current epoch, without the claim function \
              (per-message mode, first deliveries, every closed epoch filtered)",
@@ -304,7 +316,13 @@ impl Stats {
             reconnects: self.reconnects.get(),
             outbox_sent: self.relay.sent.get(),
             outbox_refused: self.relay.refused.get(),
+            copies_nacked: self.copies_nacked.get(),
         }
+    }
+
+    /// What the worker's copies count their nacks into.
+    pub(crate) fn copies_nacked(&self) -> &Counter {
+        &self.copies_nacked
     }
 
     /// The counters a relay beside the consumer bumps.

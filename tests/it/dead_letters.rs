@@ -3,13 +3,17 @@
 
 use std::time::Duration;
 
+use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 
 use idem::broker::death::{DEATH_QUEUE_HEADER, REPLAY_HEADER};
 use idem::dlq::{self, Action, DlqConfig, Printed, Report, View};
 use idem::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{GROUP, RunningWorker, TestEnv, wait_for};
+use crate::helpers::{
+    GROUP, RunningWorker, TestEnv, Vhost, publish_messages, rabbitmqctl, rabbitmqctl_run, wait_for,
+};
+use idem::broker::Outgoing;
 use idem::worker::Mode;
 
 fn dlq_config(env: &TestEnv) -> DlqConfig {
@@ -428,5 +432,96 @@ async fn an_event_whose_digest_another_event_holds_is_dead_lettered_not_skipped(
     let letters = env.dead_letters().await?;
     assert_eq!(letters.len(), 1);
     assert_eq!(PaymentSucceeded::parse(&letters[0].body), Ok(clashing));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_queue_refusing_letters_for_a_while_gets_each_once_it_takes_them()
+-> anyhow::Result<()> {
+    // A vhost of the test's own: its policy goes with it.
+    let vhost = Vhost::add(".*", ".*", ".*")?;
+    let env = TestEnv::on_broker(vhost.amqp_url()).await?;
+    let dead_letters = env.topology.dead_letter_queue.clone();
+    // The dead-letter queue full: no room, and what comes over is nacked (a
+    // quorum queue refuses publishes once it holds more than its limit:
+    // one letter is there first).
+    publish_messages(
+        &env.amqp,
+        &[Outgoing::json("", &dead_letters, b"already there".to_vec())],
+    )
+    .await?;
+    rabbitmqctl_run(&[
+        "set_policy",
+        "-p",
+        &vhost.0,
+        "--apply-to",
+        "queues",
+        "full",
+        &format!("^{}$", dead_letters.replace('.', "\\.")),
+        r#"{"max-length":0,"overflow":"reject-publish"}"#,
+    ])?;
+    wait_for(
+        "the policy on the dead-letter queue",
+        Duration::from_secs(10),
+        || async {
+            let output = rabbitmqctl()
+                .args([
+                    "list_queues",
+                    "-q",
+                    "-p",
+                    &vhost.0,
+                    "--no-table-headers",
+                    "name",
+                    "policy",
+                ])
+                .output()?;
+            let listed = String::from_utf8_lossy(&output.stdout).into_owned();
+            Ok(listed.lines().any(|line| {
+                line.split_whitespace().collect::<Vec<_>>() == [dead_letters.as_str(), "full"]
+            }))
+        },
+    )
+    .await?;
+
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    env.publish_bodies(&[b"not an event".to_vec()]).await?;
+    // The worker dead-letters it; the queue refuses the copy, which goes
+    // again while the delivery stays unacked.
+    wait_for("a copy nacked", Duration::from_secs(30), || async {
+        Ok(worker.stats.snapshot().copies_nacked > 0)
+    })
+    .await?;
+    assert_eq!(env.ready(&dead_letters).await?, 1);
+    rabbitmqctl_run(&["clear_policy", "-p", &vhost.0, "full"])?;
+    wait_for("the dead letter", Duration::from_secs(30), || async {
+        Ok(env.ready(&dead_letters).await? == 2)
+    })
+    .await?;
+    worker.wait_finished(1, Duration::from_secs(30)).await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+
+    assert_eq!(stats.invalid, 1);
+    // Stopped, the worker holds nothing: what it had not acked is ready.
+    assert_eq!(
+        env.ready(&env.topology.queue).await?,
+        0,
+        "the delivery was acked"
+    );
+    let letters = env.dead_letters().await?;
+    let ours: Vec<_> = letters
+        .iter()
+        .filter(|letter| letter.body == b"not an event")
+        .collect();
+    assert_eq!((letters.len(), ours.len()), (2, 1));
+    // idem's own hop, not the broker's: idem's record of the death, no
+    // `x-death`.
+    let headers = ours[0].properties.headers().clone().unwrap_or_default();
+    assert!(!headers.inner().contains_key("x-death"), "{headers:?}");
+    let death = ours[0].death().context("no record of its death")?;
+    assert_eq!(
+        (death.queue.as_str(), death.reason.as_str()),
+        (env.topology.queue.as_str(), "rejected")
+    );
     Ok(())
 }
