@@ -117,9 +117,9 @@ fn claim_tally_then<E>(tally: &Tally<E>, clear_ledger: bool, steps: &str) -> Str
     )
 }
 
-/// The claim of one event straight into the epoch `$4` (no `mq_claim`:
-/// see [`super::filter::Consulted::straight`]) and a [`Tally`]'s effect of
-/// it, as one statement: `$1` the event id, `$2` the consumer group, `$3`
+/// The claim of one event straight into the epoch `$4`, without
+/// `mq_claim` (for a worker whose filters cover every closed epoch and say
+/// none holds the event), and a [`Tally`]'s effect of it, as one statement: `$1` the event id, `$2` the consumer group, `$3`
 /// its [`digest`], `$5` the tally's key, `$6` its amount. Yields the event
 /// id if it went in. Nothing in: a duplicate, or another event holds its
 /// digest, which `mq_claim` tells apart. A closed epoch refuses the record
