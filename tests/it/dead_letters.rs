@@ -435,9 +435,34 @@ async fn an_event_whose_digest_another_event_holds_is_dead_lettered_not_skipped(
     Ok(())
 }
 
+/// `queue`'s `column` in `vhost`, as `rabbitmqctl list_queues` gives it.
+fn listed(vhost: &Vhost, queue: &str, column: &str) -> anyhow::Result<Option<String>> {
+    let output = rabbitmqctl()
+        .args([
+            "list_queues",
+            "-q",
+            "-p",
+            &vhost.0,
+            "--no-table-headers",
+            "name",
+            column,
+        ])
+        .output()?;
+    let listed = String::from_utf8_lossy(&output.stdout).into_owned();
+    Ok(listed.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        (fields.next() == Some(queue)).then(|| fields.next().unwrap_or_default().to_owned())
+    }))
+}
+
+/// The dead-letter queue refuses a letter (full, `reject-publish`) while
+/// the worker dead-letters it: idem's copy is nacked and goes again on a
+/// fresh channel until it is confirmed, and the letter arrives once, by
+/// idem's hop; the delivery is acked. (On 3.10 a quorum queue over its
+/// limit was seen to take a fresh channel's copy before the policy was
+/// cleared: the test does not tell which let it in.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_queue_refusing_letters_for_a_while_gets_each_once_it_takes_them()
--> anyhow::Result<()> {
+async fn a_dead_letter_copy_the_broker_nacks_goes_again_and_arrives_once() -> anyhow::Result<()> {
     // A vhost of the test's own: its policy goes with it.
     let vhost = Vhost::add(".*", ".*", ".*")?;
     let env = TestEnv::on_broker(vhost.amqp_url()).await?;
@@ -463,35 +488,18 @@ async fn a_dead_letter_queue_refusing_letters_for_a_while_gets_each_once_it_take
     wait_for(
         "the policy on the dead-letter queue",
         Duration::from_secs(10),
-        || async {
-            let output = rabbitmqctl()
-                .args([
-                    "list_queues",
-                    "-q",
-                    "-p",
-                    &vhost.0,
-                    "--no-table-headers",
-                    "name",
-                    "policy",
-                ])
-                .output()?;
-            let listed = String::from_utf8_lossy(&output.stdout).into_owned();
-            Ok(listed.lines().any(|line| {
-                line.split_whitespace().collect::<Vec<_>>() == [dead_letters.as_str(), "full"]
-            }))
-        },
+        || async { Ok(listed(&vhost, &dead_letters, "policy")?.as_deref() == Some("full")) },
     )
     .await?;
 
     let worker = RunningWorker::start(env.worker_config(Mode::Batch));
     env.publish_bodies(&[b"not an event".to_vec()]).await?;
     // The worker dead-letters it; the queue refuses the copy, which goes
-    // again while the delivery stays unacked.
+    // again on a fresh channel.
     wait_for("a copy nacked", Duration::from_secs(30), || async {
         Ok(worker.stats.snapshot().copies_nacked > 0)
     })
     .await?;
-    assert_eq!(env.ready(&dead_letters).await?, 1);
     rabbitmqctl_run(&["clear_policy", "-p", &vhost.0, "full"])?;
     wait_for("the dead letter", Duration::from_secs(30), || async {
         Ok(env.ready(&dead_letters).await? == 2)
