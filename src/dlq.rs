@@ -516,6 +516,9 @@ struct Letter {
     tag: DeliveryTag,
     delivery: Delivery,
     entry: Entry,
+    /// Why the handler cannot decode the body, in its words alone (the
+    /// entry's `invalid` adds how the body starts): what the index keeps.
+    decode_error: Option<String>,
 }
 
 /// A letter taken from the queue that the pass leaves there: given back at
@@ -781,9 +784,9 @@ impl<H: Handler> Pass<'_, H> {
 
     fn letter(&self, delivery: Delivery) -> Letter {
         let headers = delivery.properties.headers().as_ref();
-        let (event_id, invalid) = match event_id(self.handler, &delivery.data) {
-            Ok(id) => (Some(id), None),
-            Err(why) => (None, Some(why)),
+        let (event_id, invalid, decode_error) = match decoded_id(self.handler, &delivery.data) {
+            Ok(id) => (Some(id), None, None),
+            Err(why) => (None, Some(described(&why, &delivery.data)), Some(why)),
         };
         Letter {
             tag: delivery.delivery_tag,
@@ -800,6 +803,7 @@ impl<H: Handler> Pass<'_, H> {
                 applied: None,
             },
             delivery,
+            decode_error,
         }
     }
 
@@ -1117,11 +1121,7 @@ impl<H: Handler> Pass<'_, H> {
                     queue: death.map_or_else(String::new, |d| d.queue.clone()),
                     reason: death.map_or_else(|| NO_DEATH.to_owned(), |d| d.reason.clone()),
                     // As the worker words it, without how the body starts.
-                    error: letter
-                        .entry
-                        .invalid
-                        .as_ref()
-                        .and_then(|_| decoded_id(self.handler, &letter.delivery.data).err()),
+                    error: letter.decode_error.clone(),
                     invalid: letter.entry.invalid.is_some(),
                     dead_at: death
                         .and_then(|d| d.time)
@@ -1295,17 +1295,14 @@ impl Pacer {
 /// Most characters of an invalid body shown in its place.
 const BODY_SHOWN: usize = 80;
 
-/// The event id of a body the handler can apply; for one it cannot, why
-/// and how it starts.
-fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
-    decoded_id(handler, body).map_err(|invalid| {
-        let text = String::from_utf8_lossy(body);
-        let mut start: String = text.chars().take(BODY_SHOWN).collect();
-        if text.chars().nth(BODY_SHOWN).is_some() {
-            start.push('…');
-        }
-        format!("{invalid}; the body starts {start:?}")
-    })
+/// Why `body` is invalid, and how it starts.
+fn described(invalid: &str, body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut start: String = text.chars().take(BODY_SHOWN).collect();
+    if text.chars().nth(BODY_SHOWN).is_some() {
+        start.push('…');
+    }
+    format!("{invalid}; the body starts {start:?}")
 }
 
 /// The event id of `body`, or why the handler cannot decode it, in the
@@ -1604,6 +1601,12 @@ impl fmt::Display for Printed<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The event id of a body the handler can apply; for one it cannot,
+    /// why and how it starts (an entry's `invalid`).
+    fn event_id(handler: &impl Handler, body: &[u8]) -> Result<String, String> {
+        decoded_id(handler, body).map_err(|invalid| described(&invalid, body))
+    }
 
     #[test]
     fn an_invalid_body_is_shown_with_why_and_how_it_starts() {

@@ -291,8 +291,7 @@ pub struct IndexSummary {
     pub invalid: i64,
 }
 
-/// The filter of a summary, over the index's rows (`letter`) or its
-/// tallies (`tally`; no event id or time there).
+/// The filter of a summary, over the index's rows (`letter`).
 const MATCHING_ROWS: &str = "\
     letter.consumer_group = $1 \
     AND ($2::varchar IS NULL OR letter.reason = $2) \
@@ -301,6 +300,15 @@ const MATCHING_ROWS: &str = "\
     AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
     AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
     AND (NOT $7 OR letter.invalid)";
+
+/// The same filter over the tally's rows (`tally`), for a filter by
+/// reason, error or invalid body only: `$3`, `$5` and `$6` are null.
+const MATCHING_TALLY: &str = "\
+    tally.consumer_group = $1 AND tally.letters <> 0 \
+    AND ($2::varchar IS NULL OR tally.reason = $2) \
+    AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
+    AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
+    AND (NOT $7 OR tally.invalid)";
 
 /// A summary's counts, from the rows that match (a filter by event id or
 /// by time).
@@ -330,11 +338,7 @@ const SUMMARY_OF_TALLY: &str = "\
            coalesce(sum(tally.letters) FILTER (WHERE tally.applied), 0)::bigint, \
            coalesce(sum(tally.letters) FILTER (WHERE tally.invalid), 0)::bigint \
     FROM mq_dead_letter_error_tally AS tally \
-    WHERE tally.consumer_group = $1 AND tally.letters <> 0 \
-      AND ($2::varchar IS NULL OR tally.reason = $2) \
-      AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
-      AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
-      AND (NOT $7 OR tally.invalid) \
+    WHERE {MATCHING} \
     GROUP BY 1, 2";
 
 /// The oldest and the newest death that match, each the first match along
@@ -367,11 +371,7 @@ const SUMMARY_SPAN_OF_TALLY: &str = "\
           AND letter.reason = tally.reason AND letter.invalid = tally.invalid \
           AND letter.applied = tally.applied \
         ORDER BY letter.dead_at DESC LIMIT 1) AS newest \
-    WHERE tally.consumer_group = $1 AND tally.letters <> 0 \
-      AND ($2::varchar IS NULL OR tally.reason = $2) \
-      AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
-      AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
-      AND (NOT $7 OR tally.invalid)";
+    WHERE {MATCHING}";
 
 /// The rows of `consumer_group` that match `filter`, counted: from the
 /// tally when the filter is by reason, error or invalid body only, from the
@@ -397,7 +397,7 @@ pub(super) async fn summary(
     let counts = if by_rows {
         SUMMARY_OF_ROWS.replace("{MATCHING}", MATCHING_ROWS)
     } else {
-        SUMMARY_OF_TALLY.to_owned()
+        SUMMARY_OF_TALLY.replace("{MATCHING}", MATCHING_TALLY)
     };
     let rows = client.query(&counts, &params).await?;
     let mut summary = IndexSummary::default();
@@ -418,7 +418,7 @@ pub(super) async fn summary(
         let span = if by_rows || unfiltered {
             SUMMARY_SPAN.replace("{MATCHING}", MATCHING_ROWS)
         } else {
-            SUMMARY_SPAN_OF_TALLY.to_owned()
+            SUMMARY_SPAN_OF_TALLY.replace("{MATCHING}", MATCHING_TALLY)
         };
         let span = client.query_one(&span, &params).await?;
         summary.oldest = span.try_get(0)?;
