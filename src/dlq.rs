@@ -21,7 +21,7 @@ use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
 };
 use lapin::types::{AMQPValue, DeliveryTag, FieldTable};
-use lapin::{BasicProperties, Channel};
+use lapin::{BasicProperties, Channel, PublisherConfirm};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -947,17 +947,21 @@ impl<H: Handler> Pass<'_, H> {
         connection: &lapin::Connection,
         publisher: &mut ConfirmChannel,
         items: Vec<(T, Outgoing)>,
-        mut pacer: Option<&mut Pacer>,
+        pacer: Option<&mut Pacer>,
         shutdown: &CancellationToken,
     ) -> Result<Vec<(T, Outgoing, Result<(), Refusal>)>, PassError> {
-        let mut sent = Vec::with_capacity(items.len());
-        for (item, message) in items {
-            if let Some(pacer) = pacer.as_deref_mut() {
-                pacer.wait().await;
+        let mut sent = match pacer {
+            Some(pacer) => {
+                let mut sent = Vec::with_capacity(items.len());
+                for (item, message) in items {
+                    pacer.wait().await;
+                    let confirm = publisher.send(&message).await?;
+                    sent.push((item, message, confirm));
+                }
+                sent
             }
-            let confirm = publisher.send(&message).await?;
-            sent.push((item, message, confirm));
-        }
+            None => send_all(publisher, items).await?,
+        };
         let mut done = Vec::with_capacity(sent.len());
         loop {
             let mut nacked = Vec::new();
@@ -985,11 +989,7 @@ impl<H: Handler> Pass<'_, H> {
             self.report.nacks_retried += nacked.len();
             close_channel(publisher.channel()).await;
             *publisher = ConfirmChannel::open(connection).await?;
-            sent = Vec::with_capacity(nacked.len());
-            for (item, message) in nacked {
-                let confirm = publisher.send(&message).await?;
-                sent.push((item, message, confirm));
-            }
+            sent = send_all(publisher, nacked).await?;
         }
     }
 
@@ -1290,6 +1290,23 @@ impl Pacer {
         // Late (the broker was slow), it does not make up with a burst.
         self.next = self.next.max(Instant::now()) + self.interval;
     }
+}
+
+/// Sends each item's message on `publisher`, all at once, each with its
+/// confirm still to come; the first send that fails (the channel is gone)
+/// fails them all.
+async fn send_all<T>(
+    publisher: &ConfirmChannel,
+    items: Vec<(T, Outgoing)>,
+) -> Result<Vec<(T, Outgoing, PublisherConfirm)>, lapin::Error> {
+    let confirms = publisher
+        .send_all(items.iter().map(|(_, message)| message))
+        .await;
+    items
+        .into_iter()
+        .zip(confirms)
+        .map(|((item, message), confirm)| Ok((item, message, confirm?)))
+        .collect()
 }
 
 /// Most characters of an invalid body shown in its place.

@@ -253,13 +253,14 @@ async fn batch(
         tx.commit().await?;
         return Ok(Batch::Idle);
     }
-    // All sent before any confirm is awaited: one round trip per batch.
-    // A send that fails ends the sending: the channel is gone, and the
-    // confirms of what went before say why.
+    // All sent at once, before any confirm is awaited: one round trip per
+    // batch, in a few writes. A send that fails ends the sending: the
+    // channel is gone, and the confirms of what went before say why.
+    let messages: Vec<Outgoing> = due.iter().map(outgoing).collect();
     let mut confirms = Vec::with_capacity(due.len());
     let mut unsendable = None;
-    for message in &due {
-        match channel.send(&outgoing(message)).await {
+    for send in channel.send_all(&messages).await {
+        match send {
             Ok(confirm) => confirms.push(confirm),
             Err(error) => {
                 unsendable = Some(error);
@@ -342,7 +343,7 @@ async fn count_unsent(pool: &Pool, counters: &RelayCounters) {
 
 /// The message as published: persistent, with its idempotency key as the
 /// `message_id` and in an [`IDEMPOTENCY_KEY`] header.
-fn outgoing(message: &Unsent) -> Outgoing {
+pub(crate) fn outgoing(message: &Unsent) -> Outgoing {
     let mut headers = FieldTable::default();
     for (name, value) in &message.headers {
         headers.insert(

@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use backon::BackoffBuilder;
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
@@ -114,6 +114,45 @@ impl ConfirmChannel {
                 message.properties.clone(),
             )
             .await
+    }
+
+    /// Sends `messages` in their order, as [`send`](Self::send) does each,
+    /// but hands them all to the connection before waiting for any to be
+    /// written: they go out in a few large writes instead of one per
+    /// message, which costs both ends a good deal less (the broker reads
+    /// them a buffer at a time). One result per message, in order; a send
+    /// fails only when the channel is gone.
+    pub async fn send_all<'m>(
+        &self,
+        messages: impl IntoIterator<Item = &'m Outgoing>,
+    ) -> Vec<lapin::Result<PublisherConfirm>> {
+        let mut sends: Vec<_> = messages
+            .into_iter()
+            .map(|message| Box::pin(self.send(message)))
+            .collect();
+        // A send queues its frames (and takes its delivery tag) the first
+        // time it is polled, then waits for them to be written: polling
+        // each once, in order, before awaiting any keeps the messages in
+        // order on the wire.
+        let mut written: Vec<Option<lapin::Result<PublisherConfirm>>> =
+            std::future::poll_fn(|cx| {
+                std::task::Poll::Ready(
+                    sends
+                        .iter_mut()
+                        .map(|send| match send.as_mut().poll(cx) {
+                            std::task::Poll::Ready(result) => Some(result),
+                            std::task::Poll::Pending => None,
+                        })
+                        .collect(),
+                )
+            })
+            .await;
+        for (slot, send) in written.iter_mut().zip(sends) {
+            if slot.is_none() {
+                *slot = Some(send.await);
+            }
+        }
+        written.into_iter().flatten().collect()
     }
 
     /// Sends `message` and waits for its confirm.
@@ -399,42 +438,57 @@ impl Batch<'_> {
         let mut in_flight = FuturesUnordered::new();
         let mut lost = None;
         loop {
-            while lost.is_none()
-                && self.nacked.is_empty()
-                && in_flight.len() < window.max(1)
-                && !shutdown.is_cancelled()
-            {
-                let Some(index) = self.todo.pop_front() else {
-                    break;
-                };
-                match channel.send(&self.messages[index]).await {
-                    Ok(confirm) => {
-                        in_flight.push(async move { (index, settle(confirm).await) });
-                        self.report.resent += usize::from(self.sent[index]);
-                        self.sent[index] = true;
+            if lost.is_none() && self.nacked.is_empty() && !shutdown.is_cancelled() {
+                // The window's room filled at once, in a few writes.
+                let room = window.max(1).saturating_sub(in_flight.len());
+                let next: Vec<usize> = (0..room).map_while(|_| self.todo.pop_front()).collect();
+                let messages = self.messages;
+                let sends = channel
+                    .send_all(next.iter().map(|&index| &messages[index]))
+                    .await;
+                let mut unsent = Vec::new();
+                for (index, send) in next.into_iter().zip(sends) {
+                    match send {
+                        Ok(confirm) => {
+                            in_flight.push(async move { (index, settle(confirm).await) });
+                            self.report.resent += usize::from(self.sent[index]);
+                            self.sent[index] = true;
+                        }
+                        Err(error) => {
+                            unsent.push(index);
+                            lost = first_refusal(lost, error);
+                        }
                     }
-                    Err(error) => {
-                        self.todo.push_front(index);
-                        lost = first_refusal(lost, error);
-                    }
+                }
+                // Back at the front, in their order.
+                for index in unsent.into_iter().rev() {
+                    self.todo.push_front(index);
                 }
             }
-            let Some((index, outcome)) = in_flight.next().await else {
+            let Some(first) = in_flight.next().await else {
                 return lost;
             };
-            match outcome {
-                Ok(Ok(())) => {
-                    self.report.confirmed += 1;
-                    self.progress.inc(1);
-                }
-                Ok(Err(Refusal::Nacked)) if !self.refuse_nacks => self.nacked.push(index),
-                Ok(Err(refusal)) => {
-                    self.report.refused.push((index, refusal));
-                    self.progress.inc(1);
-                }
-                Err(error) => {
-                    self.todo.push_back(index);
-                    lost = first_refusal(lost, error);
+            // With whatever else the broker answered meanwhile, so that the
+            // room they leave is filled at once too.
+            let mut answered = vec![first];
+            while let Some(Some(next)) = in_flight.next().now_or_never() {
+                answered.push(next);
+            }
+            for (index, outcome) in answered {
+                match outcome {
+                    Ok(Ok(())) => {
+                        self.report.confirmed += 1;
+                        self.progress.inc(1);
+                    }
+                    Ok(Err(Refusal::Nacked)) if !self.refuse_nacks => self.nacked.push(index),
+                    Ok(Err(refusal)) => {
+                        self.report.refused.push((index, refusal));
+                        self.progress.inc(1);
+                    }
+                    Err(error) => {
+                        self.todo.push_back(index);
+                        lost = first_refusal(lost, error);
+                    }
                 }
             }
         }

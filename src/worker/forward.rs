@@ -125,11 +125,10 @@ pub(crate) async fn send(forwarder: &Forwarder, mut copies: Vec<Copy>) -> Vec<Se
     // The deadline of the nacks is the session's: a shutdown cuts it short.
     let never = CancellationToken::new();
     loop {
-        let mut sent = Vec::with_capacity(copies.len());
-        for copy in copies {
-            let confirm = channel.send(&copy.message).await;
-            sent.push((copy, confirm));
-        }
+        let confirms = channel
+            .send_all(copies.iter().map(|copy| &copy.message))
+            .await;
+        let sent: Vec<_> = copies.into_iter().zip(confirms).collect();
         let (mut nacked, mut progressed) = (Vec::new(), false);
         for (copy, confirm) in sent {
             let outcome = match confirm {

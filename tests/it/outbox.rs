@@ -18,7 +18,7 @@ use idem::worker::Mode;
 
 use crate::helpers::{
     DeadLetter, GROUP, RunningWorker, TestEnv, Untallied, Vhost, WorkerProcess, amqp_url,
-    database_url, example_binary, idem_command, load, wait_for,
+    database_url, example_binary, idem_command, load, patient, wait_for,
 };
 
 /// A queue of the test's own that receives every `points.credited` sent to
@@ -728,5 +728,63 @@ async fn what_apply_sends_depends_on_what_it_found_and_is_sent_once_under_the_ev
     );
     assert_eq!(sent_by_key(&env).await?, want);
     assert_eq!(env.records(GROUP).await?, 2);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_with_one_lane_sends_a_destination_s_messages_in_the_outbox_s_order()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let queue = credited_queue(&env).await?;
+    // Written in one statement, so their ids rise with n; more than a batch
+    // holds, so that the order must hold within batches and across them.
+    const MESSAGES: i64 = 2500;
+    let client = env.pool.get().await?;
+    client
+        .execute(
+            "INSERT INTO mq_outbox (message_id, exchange, routing_key, body) \
+             SELECT gen_random_uuid(), $1, $2, convert_to(n::text, 'UTF8') \
+             FROM generate_series(1, $3::bigint) AS n ORDER BY n",
+            &[&env.topology.exchange, &CREDITED_ROUTING_KEY, &MESSAGES],
+        )
+        .await?;
+    let in_id_order: Vec<String> = client
+        .query(
+            "SELECT convert_from(body, 'UTF8') FROM mq_outbox ORDER BY id",
+            &[],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    let relay = idem::relay::RelayConfig {
+        until_empty: true,
+        ..idem::relay::RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)))
+    };
+    let report = idem::relay::run(
+        &env.pool,
+        &relay,
+        &idem::relay::RelayCounters::default(),
+        &tokio_util::sync::CancellationToken::new(),
+    )
+    .await?;
+    assert_eq!(report.sent, MESSAGES as u64);
+    assert_eq!(unsent(&env).await?, 0);
+
+    let received: Vec<String> = env
+        .peek(&queue)
+        .await?
+        .into_iter()
+        .map(|message| String::from_utf8(message.body))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(received.len(), in_id_order.len());
+    let first_out_of_order = received
+        .iter()
+        .zip(&in_id_order)
+        .position(|(got, want)| got != want);
+    assert_eq!(
+        first_out_of_order, None,
+        "received out of the outbox's order"
+    );
     Ok(())
 }
