@@ -20,7 +20,7 @@ use deadpool_postgres::Pool;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
@@ -179,6 +179,9 @@ pub struct BenchReport {
     /// `INSERT … ON CONFLICT DO NOTHING`, the upsert, COMMIT) on tables of
     /// its own, per round.
     pub pgbench_textbook: Vec<Pgbench>,
+    /// Credits the outbox run sent per message of its load (the load's
+    /// duplicates send none).
+    pub credits_per_message: f64,
 }
 
 /// One pgbench run.
@@ -197,6 +200,7 @@ const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 const BATCH: &str = "3 batch";
 const BATCH_BASELINE: &str = "3 batch, baseline build";
 const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
+const PUBLISHED_ALONE: &str = "5 its credits published alone (idem publish), per credit";
 /// idem's consume records, where the bench counts a worker's progress.
 const IDEM_RECORDS: &str = "mq_consume_record";
 const TEXTBOOK: &str = "2 per-message, textbook consumer";
@@ -443,6 +447,15 @@ impl Bench<'_> {
                     measured.rate
                 );
                 report.push(BATCH_OUTBOX.to_owned(), measured);
+                let alone = bench.publish_alone().await?;
+                eprintln!(
+                    "  {:<30} {:>9.0} msgs/s",
+                    label(PUBLISHED_ALONE),
+                    alone.rate
+                );
+                report.push(PUBLISHED_ALONE.to_owned(), alone);
+                report.credits_per_message =
+                    generate::distinct_events(&load) as f64 / load.len() as f64;
             }
             if config.pgbench {
                 for (name, runs) in [
@@ -631,6 +644,61 @@ impl<'a> Bench<'a> {
             "the load was not confirmed: {report:?}"
         );
         Ok(())
+    }
+
+    /// The outbox run's credits published again as they were sent, alone,
+    /// the way `idem publish` publishes (`publish_all`, its default window
+    /// of confirms), to the same queue emptied first: what a confirmed
+    /// publish of those messages costs the broker and the publisher
+    /// without a relay around it.
+    async fn publish_alone(&self) -> anyhow::Result<Measurement> {
+        let client = self.pool.get().await?;
+        let messages: Vec<Outgoing> = crate::store::outbox::sent(&client, i64::MAX)
+            .await?
+            .iter()
+            .map(crate::relay::outgoing)
+            .collect();
+        ensure!(!messages.is_empty(), "the outbox run sent nothing");
+        let connection = connect(&self.config.amqp, "idem bench").await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .queue_purge(
+                credited_queue(&self.topology).as_str().into(),
+                QueuePurgeOptions::default(),
+            )
+            .await?;
+        close_channel(&channel).await;
+        close(&connection).await;
+        settle_down().await;
+        let options = PublishOptions {
+            window: PublishOptions::DEFAULT_WINDOW,
+            patience: Duration::from_secs(10),
+        };
+        let me = std::process::id();
+        let (services, before) = (ServiceCpu::now(), ProcessUsage::read(me));
+        let started = Instant::now();
+        let report = publish_all(
+            &self.config.amqp,
+            &messages,
+            &options,
+            &CancellationToken::new(),
+        )
+        .await?;
+        let elapsed = started.elapsed();
+        let (_, rabbitmq) = ServiceCpu::now().per_message(&services, messages.len() as f64);
+        let publisher = ProcessUsage::read(me).zip(before).map(|(after, before)| {
+            (after.cpu - before.cpu).as_secs_f64() * 1e6 / messages.len() as f64
+        });
+        ensure!(
+            report.all_confirmed(),
+            "the credits published alone were not all confirmed: {report:?}"
+        );
+        Ok(Measurement {
+            rate: messages.len() as f64 / elapsed.as_secs_f64(),
+            cpu_us_per_message: publisher,
+            rabbitmq_us_per_message: rabbitmq,
+            ..Measurement::default()
+        })
     }
 
     /// Consumes `messages` and acks them with `multiple`, as fast as the
@@ -1482,6 +1550,24 @@ impl fmt::Display for BenchReport {
         }
         if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
             writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
+        }
+        let rabbitmq = |mode: &str| {
+            self.runs(mode)
+                .and_then(|runs| median(runs.iter().filter_map(|m| m.rabbitmq_us_per_message)))
+        };
+        if let (Some(on), Some(off), Some(alone)) = (
+            rabbitmq(BATCH_OUTBOX),
+            rabbitmq(BATCH),
+            rabbitmq(PUBLISHED_ALONE),
+        ) && self.credits_per_message > 0.0
+        {
+            let relayed = (on - off) / self.credits_per_message;
+            writeln!(
+                f,
+                "RabbitMQ CPU per credit: relayed {relayed:.1} µs (outbox on less off), \
+                 published alone {alone:.1} µs ({:.2} ×)",
+                relayed / alone
+            )?;
         }
         let all_cpu = |mode: &str| -> Vec<f64> {
             self.runs(mode)

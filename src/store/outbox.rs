@@ -130,28 +130,50 @@ pub async fn take(
 ) -> Result<Vec<Unsent>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT id, message_id::text, exchange, routing_key, content_type, headers::text, \
-                 body, attempts \
-             FROM mq_outbox WHERE sent_at IS NULL AND next_attempt_at <= now() \
-             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+            &format!(
+                "SELECT {MESSAGE} FROM mq_outbox \
+                 WHERE sent_at IS NULL AND next_attempt_at <= now() \
+                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
+            ),
             &[&limit],
         )
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(Unsent {
-                id: row.try_get(0)?,
-                message_id: row.try_get(1)?,
-                exchange: row.try_get(2)?,
-                routing_key: row.try_get(3)?,
-                content_type: row.try_get(4)?,
-                // Written by idem as a map of strings.
-                headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
-                body: row.try_get(6)?,
-                attempts: row.try_get(7)?,
-            })
-        })
-        .collect()
+    rows.iter().map(message).collect()
+}
+
+/// Up to `limit` messages already sent, oldest first (for a bench to
+/// publish them again, as they were).
+pub async fn sent(
+    client: &impl GenericClient,
+    limit: i64,
+) -> Result<Vec<Unsent>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            &format!(
+                "SELECT {MESSAGE} FROM mq_outbox WHERE sent_at IS NOT NULL ORDER BY id LIMIT $1"
+            ),
+            &[&limit],
+        )
+        .await?;
+    rows.iter().map(message).collect()
+}
+
+/// The columns [`message`] reads.
+const MESSAGE: &str = "id, message_id::text, exchange, routing_key, content_type, \
+     headers::text, body, attempts";
+
+fn message(row: &tokio_postgres::Row) -> Result<Unsent, tokio_postgres::Error> {
+    Ok(Unsent {
+        id: row.try_get(0)?,
+        message_id: row.try_get(1)?,
+        exchange: row.try_get(2)?,
+        routing_key: row.try_get(3)?,
+        content_type: row.try_get(4)?,
+        // Written by idem as a map of strings.
+        headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
+        body: row.try_get(6)?,
+        attempts: row.try_get(7)?,
+    })
 }
 
 /// Marks `ids` sent.
