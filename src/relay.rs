@@ -3,7 +3,7 @@
 //! One transaction per batch: take the due unsent rows oldest first, locked
 //! (`FOR UPDATE SKIP LOCKED`, so that relays running at once share the work
 //! instead of sending the same rows), publish them with publisher confirms
-//! and `mandatory`, then mark the confirmed ones sent and the refused ones
+//! and `mandatory`, then remove the confirmed ones and mark the refused ones
 //! due again later, and commit. Killed before the commit, the rows are
 //! unlocked unsent and go again under the same `message_id`: a receiver
 //! that deduplicates on it applies each once. It runs inside a worker whose
@@ -82,7 +82,7 @@ impl RelayConfig {
 /// `/metrics`).
 #[derive(Debug, Clone, Default)]
 pub struct RelayCounters {
-    /// Messages confirmed and marked sent.
+    /// Messages confirmed and removed from the outbox.
     pub sent: Counter,
     /// Publishes the broker refused.
     pub refused: Counter,
@@ -93,7 +93,7 @@ pub struct RelayCounters {
 /// What a relay did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RelayReport {
-    /// Messages confirmed and marked sent.
+    /// Messages confirmed and removed from the outbox.
     pub sent: u64,
     /// Publishes the broker refused (nacked or returned); those messages
     /// stay unsent and are tried again later.
@@ -115,14 +115,14 @@ pub enum RelayError {
 enum Batch {
     /// Nothing was due.
     Idle,
-    /// Published and marked.
+    /// Published, and removed or marked.
     Done,
     /// The broker closed the channel over a message it will not take (its
     /// exchange is missing, say): the messages to that exchange are marked
     /// refused, those confirmed before sent, and the rest go again on a new
     /// channel.
     ChannelRefused,
-    /// The broker connection failed: what it confirmed is marked sent (or
+    /// The broker connection failed: what it confirmed is removed as sent (or
     /// nothing, when it failed while confirming), the rest goes again.
     Lost(lapin::Error),
 }
@@ -239,7 +239,8 @@ async fn lane(
     }
 }
 
-/// One transaction: take what is due, publish it, mark it.
+/// One transaction: take what is due, publish it, remove what was
+/// confirmed and mark what was refused.
 async fn batch(
     pool: &Pool,
     channel: &ConfirmChannel,
@@ -315,11 +316,11 @@ async fn batch(
         (None, Some(error)) => Some(error),
         _ => None,
     };
-    outbox::mark_sent(&tx, &sent).await?;
+    outbox::remove_sent(&tx, &sent).await?;
     if !refused.is_empty() {
         outbox::mark_refused(&tx, &refused, &reasons, &waits).await?;
     }
-    // Failing here, the batch was published but not marked: it goes again,
+    // Failing here, the batch was published but not removed: it goes again,
     // under the same message ids.
     tx.commit().await?;
     counters.sent.inc_by(sent.len() as u64);

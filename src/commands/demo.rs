@@ -40,8 +40,9 @@ pub struct DemoReport {
     pub consume_records: i64,
     /// Messages in the dead-letter queue.
     pub dead_letter_queue: (String, u32),
-    /// `points.credited` messages the outbox holds, and how many were sent.
-    pub outbox: (i64, i64),
+    /// `points.credited` messages the worker's relay sent (confirmed, then
+    /// removed from the outbox), and how many the outbox still holds.
+    pub outbox: (u64, i64),
     /// Messages in the queue bound for `points.credited`, and how many
     /// distinct idempotency keys they carry.
     pub credited_queue: (String, usize, usize),
@@ -190,10 +191,11 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .query_one("SELECT count(*) FROM mq_consume_record", &[])
         .await?
         .try_get(0)?;
-    let written = client
-        .query_one("SELECT count(*), count(sent_at) FROM mq_outbox", &[])
-        .await?;
-    let outbox = (written.try_get(0)?, written.try_get(1)?);
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM mq_outbox", &[])
+        .await?
+        .try_get(0)?;
+    let outbox = (stats.snapshot().outbox_sent, left);
     let connection = connect(&amqp, "idem demo").await?;
     let channel = connection.create_channel().await?;
     let dlq = ready_messages(&channel, &topology.dead_letter_queue).await?;
@@ -370,10 +372,11 @@ impl fmt::Display for DemoReport {
         }
         let (queue, count) = &self.dead_letter_queue;
         writeln!(f, "  dead-letter queue    {queue}: {count} message(s)")?;
-        let (written, sent) = self.outbox;
+        let (sent, left) = self.outbox;
         writeln!(
             f,
-            "  outbox               {written} points.credited written with the credits, {sent} sent"
+            "  outbox               {sent} points.credited sent (written with the credits, \
+             removed once confirmed), {left} left"
         )?;
         let (downstream, credited, keys) = &self.credited_queue;
         writeln!(

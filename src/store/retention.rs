@@ -142,6 +142,8 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
         cutoff,
     )
     .await?;
+    // A relay removes what it sent; rows marked sent were left by older
+    // relays, which marked them instead, and go once out of the window.
     pruned.outbox_rows = remove_in_chunks(
         &client,
         "DELETE FROM mq_outbox WHERE id = ANY(ARRAY(\
