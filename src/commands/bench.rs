@@ -459,16 +459,19 @@ impl Bench<'_> {
                     generate::distinct_events(&load) as f64 / load.len() as f64;
             }
             if config.pgbench {
-                for (name, runs) in [
-                    ("idem's tally", &mut report.pgbench),
-                    ("idem's general path", &mut report.pgbench_general),
-                    ("textbook", &mut report.pgbench_textbook),
+                for (transaction, runs) in [
+                    (PgbenchScript::Tally, &mut report.pgbench),
+                    (PgbenchScript::General, &mut report.pgbench_general),
+                    (PgbenchScript::Textbook, &mut report.pgbench_textbook),
                 ] {
                     bench.reset().await?;
-                    let script = match name {
-                        "idem's tally" => pgbench_script(bench.current_epoch().await?),
-                        "idem's general path" => pgbench_general_script(),
-                        _ => PGBENCH_TEXTBOOK.to_owned(),
+                    let (name, script) = match transaction {
+                        // Into the epoch the reset opened.
+                        PgbenchScript::Tally => {
+                            ("idem's tally", pgbench_script(bench.current_epoch().await?))
+                        }
+                        PgbenchScript::General => ("idem's general path", pgbench_general_script()),
+                        PgbenchScript::Textbook => ("textbook", PGBENCH_TEXTBOOK.to_owned()),
                     };
                     let run = bench.pgbench(&script).await?;
                     eprintln!("  pgbench, {name:<20} {:>9.0} tps", run.tps);
@@ -1261,6 +1264,18 @@ fn pgbench_script(epoch: i32) -> String {
         .replace("$5::varchar", "('order-' || :order)::varchar")
         .replace("$6::bigint", "7::bigint");
     format!("{PGBENCH_VARIABLES}{statement};\n")
+}
+
+/// The transactions `--pgbench` runs, each on a schema of its own.
+#[derive(Debug, Clone, Copy)]
+enum PgbenchScript {
+    /// Per-message mode's: the claim straight into the current epoch with
+    /// the tally, one statement.
+    Tally,
+    /// The general path's five statements.
+    General,
+    /// The textbook's: BEGIN, record, upsert, COMMIT.
+    Textbook,
 }
 
 /// The same work as the general path does it, for a handler without a
