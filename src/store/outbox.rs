@@ -131,33 +131,28 @@ pub async fn take(
 ) -> Result<Vec<Unsent>, tokio_postgres::Error> {
     let rows = client
         .query(
-            &format!(
-                "SELECT {MESSAGE} FROM mq_outbox \
-                 WHERE sent_at IS NULL AND next_attempt_at <= now() \
-                 ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED"
-            ),
+            "SELECT id, message_id::text, exchange, routing_key, content_type, headers::text, \
+                 body, attempts \
+             FROM mq_outbox WHERE sent_at IS NULL AND next_attempt_at <= now() \
+             ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
             &[&limit],
         )
         .await?;
-    rows.iter().map(message).collect()
-}
-
-/// The columns [`message`] reads.
-const MESSAGE: &str = "id, message_id::text, exchange, routing_key, content_type, \
-     headers::text, body, attempts";
-
-fn message(row: &tokio_postgres::Row) -> Result<Unsent, tokio_postgres::Error> {
-    Ok(Unsent {
-        id: row.try_get(0)?,
-        message_id: row.try_get(1)?,
-        exchange: row.try_get(2)?,
-        routing_key: row.try_get(3)?,
-        content_type: row.try_get(4)?,
-        // Written by idem as a map of strings.
-        headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
-        body: row.try_get(6)?,
-        attempts: row.try_get(7)?,
-    })
+    rows.iter()
+        .map(|row| {
+            Ok(Unsent {
+                id: row.try_get(0)?,
+                message_id: row.try_get(1)?,
+                exchange: row.try_get(2)?,
+                routing_key: row.try_get(3)?,
+                content_type: row.try_get(4)?,
+                // Written by idem as a map of strings.
+                headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
+                body: row.try_get(6)?,
+                attempts: row.try_get(7)?,
+            })
+        })
+        .collect()
 }
 
 /// Removes `ids`, sent: the outbox keeps what is still to send. (A row
