@@ -523,7 +523,7 @@ impl TestEnv {
     }
 
     /// The single number a `SELECT count(*) …` returns.
-    async fn count(
+    pub async fn count(
         &self,
         query: &str,
         params: &[&(dyn tokio_postgres::types::ToSql + Sync)],

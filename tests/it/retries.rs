@@ -297,15 +297,32 @@ async fn killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothin
         &topology.delivery_limit.to_string(),
     ];
     let mut first = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &args)?;
-    wait_for("messages waiting", Duration::from_secs(60), || async {
-        Ok(env.ready(&wait_queue).await? > 0)
-    })
+    // The worker holds what waits (up to its wait queues' prefetch), so the
+    // queue shows none ready. An event that failed again a delay after its
+    // first failure went through the wait queue, and what failed after it
+    // waits there now. Killed then, in the second round, far from any
+    // event's budget (each copy has room for four).
+    wait_for(
+        "an event failed again after its wait",
+        Duration::from_secs(60),
+        || async {
+            env.count(
+                "SELECT count(*) FROM mq_failure_ledger
+                  WHERE last_failed_at >= first_failed_at + make_interval(secs => $1)",
+                &[&delay.as_secs_f64()],
+            )
+            .await
+            .map(|waited| waited > 0)
+        },
+    )
     .await?;
     first.kill().await?;
-    assert!(
-        env.ready(&wait_queue).await? > 0,
-        "killed while messages wait"
-    );
+    wait_for(
+        "the copies the killed worker held back in their wait queue",
+        Duration::from_secs(30),
+        || async { Ok(env.ready(&wait_queue).await? > 0) },
+    )
+    .await?;
     env.sql(&format!("INSERT INTO ready_orders VALUES {}", rows(late)))
         .await?;
     let second = WorkerProcess::spawn(&env, mode, &amqp_url(), &database_url(), &args)?;
