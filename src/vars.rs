@@ -68,6 +68,8 @@ pub const BATCH_WAIT: &str = "IDEM_BATCH_WAIT";
 pub const MAX_IN_FLIGHT: &str = "IDEM_MAX_IN_FLIGHT";
 /// `worker --pool-size`.
 pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
+/// `worker --lanes`.
+pub const LANES: &str = "IDEM_LANES";
 /// `worker --max-body-bytes`.
 pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
 /// `worker --shutdown-timeout`.

@@ -211,6 +211,9 @@ pub(crate) struct WorkerArgs<F: Args> {
     /// Most PostgreSQL connections [default: transactions in flight + 2].
     #[arg(long, env = vars::POOL_SIZE, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub(crate) pool_size: Option<u32>,
+    /// Connections a tally handler's claims share, each committed without waiting for its own flush; a shared flush confirms them before their acks; 0: none [default: 2 per message, 0 in batch mode].
+    #[arg(long, env = vars::LANES, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub(crate) lanes: Option<u32>,
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
     #[arg(long, env = vars::MAX_BODY_BYTES, default_value_t = WorkerConfig::DEFAULT_MAX_BODY_BYTES)]
     pub(crate) max_body_bytes: usize,
@@ -840,6 +843,7 @@ impl<F: Args> WorkerArgs<F> {
             batch_size,
             batch_wait: self.batch_wait.0,
             max_in_flight,
+            lanes: self.lanes.map_or(defaults.lanes, |n| n as usize),
             max_attempts: self.max_attempts,
             max_body_bytes: self.max_body_bytes,
             shutdown_timeout: self.shutdown_timeout.0,

@@ -12,6 +12,10 @@ use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledg
 use crate::caught;
 use crate::handler::{FailureKind, Handler, HandlerError, Outbox, Tally, Transaction};
 
+/// The first pause before a transaction a flush did not confirm runs
+/// again; it doubles with each run after.
+pub(crate) const RERUN_PAUSE: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Why a transaction did not commit, and whose fault that is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{reason}")]
@@ -58,12 +62,82 @@ impl<'a> Claimed<'a> {
             .is_ok_and(|index| self.ids[index].1)
     }
 
+    /// Went in here or in `earlier`, a run of the same transaction whose
+    /// commit may not have reached disk.
+    fn or(mut self, earlier: Self) -> Self {
+        for ((_, went_in), (_, before)) in self.ids.iter_mut().zip(earlier.ids) {
+            *went_in |= before;
+        }
+        self
+    }
+
+    /// The event ids that went in.
+    fn ids_in(&self) -> Vec<&'a str> {
+        self.ids
+            .iter()
+            .filter(|(_, went_in)| *went_in)
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// True the first time it is asked about an event that went in:
     /// a second copy of the same event in the same batch is a duplicate.
     pub fn take(&mut self, event_id: &str) -> bool {
         match self.ids.binary_search_by(|(id, _)| (*id).cmp(event_id)) {
             Ok(index) => std::mem::replace(&mut self.ids[index].1, false),
             Err(_) => false,
+        }
+    }
+}
+
+/// A committed transaction whose deliveries may be acked once
+/// [`Applier::flushed`] says it is on disk.
+pub(crate) struct Committed<'a> {
+    /// Which events went in.
+    pub(crate) claimed: Claimed<'a>,
+    /// Committed without waiting for its flush: the earliest epoch its
+    /// records can be in.
+    unflushed: Option<i32>,
+}
+
+impl<'a> Committed<'a> {
+    /// This run of a transaction after `earlier` runs of it, whose commits
+    /// may not have reached disk: what went in in any of them, to be found
+    /// on disk before the deliveries are acked.
+    pub(crate) fn after(self, earlier: Option<Self>) -> Self {
+        let Some(earlier) = earlier else {
+            return self;
+        };
+        Self {
+            claimed: self.claimed.or(earlier.claimed),
+            unflushed: match (self.unflushed, earlier.unflushed) {
+                (Some(now), Some(before)) => Some(now.min(before)),
+                (now, before) => now.or(before),
+            },
+        }
+    }
+}
+
+/// A statement that claims, as it is and committing without waiting for
+/// its flush ([`claim::unflushed`]).
+struct Claim {
+    flushed: String,
+    unflushed: String,
+}
+
+impl Claim {
+    fn new(statement: String) -> Self {
+        Self {
+            unflushed: claim::unflushed(&statement),
+            flushed: statement,
+        }
+    }
+
+    fn text(&self, unflushed: bool) -> &str {
+        if unflushed {
+            &self.unflushed
+        } else {
+            &self.flushed
         }
     }
 }
@@ -75,14 +149,14 @@ pub struct Applier<H: Handler> {
     handler: Arc<H>,
     /// The handler's tally and the one statement that claims and applies
     /// it, when the handler has one: `[without, with]` the ledger clear.
-    tally: Option<(Tally<H::Event>, [String; 2])>,
+    tally: Option<(Tally<H::Event>, [Claim; 2])>,
     /// The same for one event claimed straight into the current epoch.
-    straight: Option<String>,
+    straight: Option<Claim>,
     /// The same statements writing the outbox rows of the events too, when
     /// the handler has a tally and sends messages.
-    tally_and_send: Option<[String; 2]>,
+    tally_and_send: Option<[Claim; 2]>,
     /// The claim of the general path.
-    claim: String,
+    claim: Claim,
     /// The general path's outbox rows, when the handler sends messages.
     send: Option<String>,
 }
@@ -111,8 +185,8 @@ impl<H: Handler> Applier<H> {
                         });
                     }
                 }
-                let statements =
-                    [false, true].map(|clear| claim::claim_and_tally_statement(&tally, clear));
+                let statements = [false, true]
+                    .map(|clear| Claim::new(claim::claim_and_tally_statement(&tally, clear)));
                 Some((tally, statements))
             }
             None => None,
@@ -121,18 +195,19 @@ impl<H: Handler> Applier<H> {
             .as_ref()
             .filter(|_| H::SENDS_MESSAGES)
             .map(|(tally, _)| {
-                [false, true].map(|clear| claim::claim_tally_and_send_statement(tally, clear))
+                [false, true]
+                    .map(|clear| Claim::new(claim::claim_tally_and_send_statement(tally, clear)))
             });
         let straight = tally
             .as_ref()
-            .map(|(tally, _)| claim::straight_claim_and_tally_statement(tally));
+            .map(|(tally, _)| Claim::new(claim::straight_claim_and_tally_statement(tally)));
         Ok(Self {
             store,
             handler,
             tally,
             straight,
             tally_and_send,
-            claim: claim::claim_statement(),
+            claim: Claim::new(claim::claim_statement()),
             send: H::SENDS_MESSAGES.then(outbox::insert_statement),
         })
     }
@@ -156,8 +231,13 @@ impl<H: Handler> Applier<H> {
     /// idem) is a failure of the message, as any other. The messages the
     /// events that went in send ([`Handler::outgoing`]) are written to the
     /// outbox in the same transaction.
+    ///
+    /// With a flusher ([`Store::with_flusher`]) the transaction commits
+    /// without waiting for its flush, and this returns once a flush is done;
+    /// when that cannot be known (the flusher lost its connection) it runs
+    /// the transaction again.
     pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
-        self.apply_clearing(events, true).await
+        self.apply_flushed(events, false).await
     }
 
     /// [`Applier::apply`] for events none of whose deliveries may follow an
@@ -170,36 +250,70 @@ impl<H: Handler> Applier<H> {
         &self,
         events: &[&'e H::Event],
     ) -> Result<Claimed<'e>, Failure> {
-        self.apply_clearing(events, false).await
+        self.apply_flushed(events, true).await
     }
 
-    async fn apply_clearing<'e>(
+    async fn apply_flushed<'e>(
         &self,
         events: &[&'e H::Event],
-        clear_ledger: bool,
+        first_deliveries: bool,
     ) -> Result<Claimed<'e>, Failure> {
-        caught::future(self.attempt(events, clear_ledger))
+        let (mut earlier, mut pause) = (None, RERUN_PAUSE);
+        loop {
+            let committed = self.commit(events, first_deliveries).await?.after(earlier);
+            if self.flushed(&committed).await {
+                return Ok(committed.claimed);
+            }
+            // Not at once: a flush that keeps failing would spin.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(RERUN_PAUSE * 100);
+            earlier = Some(committed);
+        }
+    }
+
+    /// [`Applier::apply`] (or, with `first_deliveries`,
+    /// [`Applier::apply_first_deliveries`]) up to its commit, which may not
+    /// be on disk yet: [`Applier::flushed`] says.
+    pub(crate) async fn commit<'e>(
+        &self,
+        events: &[&'e H::Event],
+        first_deliveries: bool,
+    ) -> Result<Committed<'e>, Failure> {
+        let (claimed, unflushed) = caught::future(self.attempt(events, !first_deliveries))
             .await
             .unwrap_or_else(|panic| {
                 Err(Failure {
                     kind: FailureKind::Message,
                     reason: format!("the transaction {panic}"),
                 })
-            })
+            })?;
+        Ok(Committed { claimed, unflushed })
+    }
+
+    /// Whether what `committed` put in is on disk, once it is: at once for
+    /// a commit that waited for its own flush, once the next flush has
+    /// found its records for one that did not. False when a record was not
+    /// found, or the flush failed: the transaction must run again.
+    pub(crate) async fn flushed(&self, committed: &Committed<'_>) -> bool {
+        let (Some(from_epoch), Some(lanes)) = (committed.unflushed, self.store.lanes()) else {
+            return true;
+        };
+        let ids = committed.claimed.ids_in();
+        let digests = claim::digests(self.store.consumer_group(), &ids);
+        lanes.flushed(digests, from_epoch).await
     }
 
     async fn attempt<'e>(
         &self,
         events: &[&'e H::Event],
         clear_ledger: bool,
-    ) -> Result<Claimed<'e>, Failure> {
+    ) -> Result<(Claimed<'e>, Option<i32>), Failure> {
         let handler = &*self.handler;
         // Stable: of two copies, the one delivered first wins.
         let mut distinct: Vec<&'e H::Event> = events.to_vec();
         distinct.sort_by(|a, b| handler.event_id(a).cmp(handler.event_id(b)));
         distinct.dedup_by(|a, b| handler.event_id(a) == handler.event_id(b));
         let ids: Vec<&'e str> = distinct.iter().map(|e| handler.event_id(e)).collect();
-        let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let group = self.store.consumer_group();
         let digests = claim::digests(group, &ids);
         let consulted = self.store.filters.consult(&digests);
@@ -215,7 +329,25 @@ impl<H: Handler> Applier<H> {
         let database = |error| self.database_failure(&error);
 
         if let Some((tally, statements)) = &self.tally {
-            let statement = &statements[usize::from(clear_ledger)];
+            // One statement: unflushed on a lane, when a flush can find its
+            // records; else on a connection of its own.
+            let (lanes, from_epoch) = match (self.store.lanes(), consulted.by_digest_from) {
+                (Some(lanes), Some(from)) if lanes.usable() => (Some(lanes), Some(from)),
+                _ => (None, None),
+            };
+            let unflushed = from_epoch.is_some();
+            let (lane, pooled);
+            let client: &deadpool_postgres::ClientWrapper = match lanes {
+                Some(lanes) => {
+                    lane = lanes.lane().await?;
+                    &lane
+                }
+                None => {
+                    pooled = self.store.pool.get().await.map_err(StoreError::from)?;
+                    &pooled
+                }
+            };
+            let statement = statements[usize::from(clear_ledger)].text(unflushed);
             let (keys, amounts) = tally.entries(&distinct);
             // Only the rows of events that go in are written: the statement
             // joins them to its claim.
@@ -230,7 +362,10 @@ impl<H: Handler> Applier<H> {
             ) && !clear_ledger
                 && sent.is_empty()
             {
-                let statement = client.prepare_cached(straight).await.map_err(database)?;
+                let statement = client
+                    .prepare_cached(straight.text(unflushed))
+                    .await
+                    .map_err(database)?;
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
                     [id, &group, digest, &epoch, key, amount];
                 match client.query(&statement, &params).await {
@@ -238,7 +373,7 @@ impl<H: Handler> Applier<H> {
                     // which the claim below tells apart.
                     Ok(rows) if !rows.is_empty() => {
                         self.store.filters.went_straight();
-                        return claimed(&ids, &rows).map_err(database);
+                        return Ok((claimed(&ids, &rows).map_err(database)?, from_epoch));
                     }
                     Ok(_) => {}
                     // The epoch closed (or was dropped) since the filters
@@ -255,17 +390,21 @@ impl<H: Handler> Applier<H> {
             let statement = match &self.tally_and_send {
                 Some(sending) if !sent.is_empty() => {
                     params.extend(sent.params());
-                    &sending[usize::from(clear_ledger)]
+                    sending[usize::from(clear_ledger)].text(unflushed)
                 }
                 _ => statement,
             };
             let statement = client.prepare_cached(statement).await.map_err(database)?;
             let rows = client.query(&statement, &params).await.map_err(database)?;
-            return claimed(&ids, &rows).map_err(database);
+            return Ok((claimed(&ids, &rows).map_err(database)?, from_epoch));
         }
 
+        let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let tx = client.transaction().await.map_err(database)?;
-        let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
+        let statement = tx
+            .prepare_cached(&self.claim.flushed)
+            .await
+            .map_err(database)?;
         let rows = tx
             .query(&statement, &claim_params)
             .await
@@ -296,7 +435,7 @@ impl<H: Handler> Applier<H> {
         // (So the general path clears the ledger whatever the deliveries.)
         ledger::reset(&tx, &ids, group).await.map_err(database)?;
         tx.commit().await.map_err(database)?;
-        Ok(claimed)
+        Ok((claimed, None))
     }
 
     /// A broken connection (no SQLSTATE) is the infrastructure's whatever

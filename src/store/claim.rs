@@ -173,6 +173,17 @@ pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
     ]
 }
 
+/// `statement` (one of the claims above, ending in `SELECT event_id FROM
+/// claimed`) committing without waiting for its WAL flush: for a store
+/// whose flusher flushes for it ([`super::Flusher`]). The setting is the
+/// transaction's own (`set_config(…, true)`), set as the first event that
+/// went in is read; a transaction in which none went in has written no
+/// consume record, and commits as any does.
+pub(super) fn unflushed(statement: &str) -> String {
+    debug_assert!(statement.ends_with("SELECT event_id FROM claimed"));
+    format!("{statement} WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL")
+}
+
 /// Rows are updated in key order, so that concurrent batches cannot
 /// deadlock on each other's rows.
 fn upsert<E>(tally: &Tally<E>) -> String {

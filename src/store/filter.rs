@@ -54,6 +54,10 @@ struct Held {
     /// keyed by digest and no epoch is keyed by text: a claim of an event
     /// none of them may hold can insert straight into it.
     straight: Option<i32>,
+    /// The current epoch when every epoch is keyed by digest: what a claim
+    /// puts in goes there or into a later one, where it can be found by
+    /// its digest.
+    by_digest_from: Option<i32>,
 }
 
 /// The filters a store's claims consult, shared by the transactions in
@@ -109,6 +113,9 @@ pub(super) struct Consulted {
     /// events. Its partition refuses the insert if it is closed since
     /// (migration 0012).
     pub(super) straight: Option<i32>,
+    /// The earliest epoch the claim's records can go into, when every
+    /// epoch is keyed by digest: where a flush looks for them.
+    pub(super) by_digest_from: Option<i32>,
 }
 
 /// What a pass of [`Filters::sync`] did.
@@ -207,6 +214,7 @@ impl Filters {
             *held = Arc::new(Held {
                 filters: held.filters.clone(),
                 straight: None,
+                by_digest_from: held.by_digest_from,
             });
         }
     }
@@ -234,6 +242,7 @@ impl Filters {
         if consulted.suspect_at.is_empty() {
             consulted.straight = held.straight;
         }
+        consulted.by_digest_from = held.by_digest_from;
         consulted
     }
 
@@ -304,6 +313,7 @@ impl Filters {
         self.hold(Held {
             filters: kept,
             straight,
+            by_digest_from: current.filter(|_| !by_text),
         });
         Ok(synced)
     }

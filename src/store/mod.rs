@@ -8,6 +8,7 @@ mod claim;
 pub mod dead_letters;
 mod failure;
 pub mod filter;
+mod flush;
 mod ledger;
 pub mod migrate;
 pub mod outbox;
@@ -27,6 +28,7 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
+pub(crate) use apply::RERUN_PAUSE;
 pub use apply::{Applier, Claimed, Failure, apply_tally};
 #[cfg(feature = "tools")]
 pub(crate) use claim::general_path_statements;
@@ -35,6 +37,7 @@ pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
 pub use filter::Filters;
+pub use flush::Lanes;
 pub use ledger::LedgerEntry;
 
 use crate::handler::Handler;
@@ -434,6 +437,9 @@ pub struct Store {
     /// syncs them (a worker does), and then a claim looks into a closed
     /// epoch only for the events its filter may hold.
     filters: Arc<Filters>,
+    /// Connections its claims share, committing without waiting for their
+    /// own flush (a worker's store has them).
+    lanes: Option<Lanes>,
 }
 
 impl std::fmt::Debug for Store {
@@ -442,6 +448,7 @@ impl std::fmt::Debug for Store {
             .field("consumer_group", &self.consumer_group)
             .field("pool", &self.pool.status())
             .field("filters", &self.filters)
+            .field("lanes", &self.lanes.is_some())
             .finish()
     }
 }
@@ -453,12 +460,28 @@ impl Store {
             pool,
             consumer_group: consumer_group.into(),
             filters: Arc::default(),
+            lanes: None,
         }
     }
 
     /// The same store, its claims consulting `filters`.
     pub fn with_filters(self, filters: Arc<Filters>) -> Self {
         Self { filters, ..self }
+    }
+
+    /// The same store, the claims of a handler with a tally sent on
+    /// `lanes`, committing without waiting for their own flush;
+    /// [`Applier::apply`] returns once a flush on their lane is done.
+    pub fn with_lanes(self, lanes: Lanes) -> Self {
+        Self {
+            lanes: Some(lanes),
+            ..self
+        }
+    }
+
+    /// The lanes of its claims, if it has them.
+    pub fn lanes(&self) -> Option<&Lanes> {
+        self.lanes.as_ref()
     }
 
     /// The closed epochs' filters its claims consult.

@@ -38,12 +38,12 @@ use crate::broker::{
 };
 use crate::caught;
 use crate::handler::Handler;
-use crate::store::{Applier, DatabaseConfig, Filters, ReadyError, Store};
+use crate::store::{Applier, DatabaseConfig, Filters, Lanes, ReadyError, Store};
 use crate::telemetry::trace;
 use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
 use intake::Intake;
-use process::Processor;
+use process::{Processor, Slot};
 use settle::{Disposition, Settlement, Settler};
 
 /// How deliveries are grouped into transactions.
@@ -65,6 +65,9 @@ pub struct Tuning {
     pub prefetch: u16,
     /// Transactions in flight.
     pub max_in_flight: usize,
+    /// Connections the claims share, committing without waiting for their
+    /// own flush ([`WorkerConfig::lanes`]); 0: none.
+    pub lanes: usize,
 }
 
 impl Mode {
@@ -89,11 +92,13 @@ impl Mode {
                 batch_size: 200,
                 prefetch: 1000,
                 max_in_flight: 3,
+                lanes: 0,
             },
             Mode::PerMessage => Tuning {
                 batch_size: 1,
                 prefetch: 64,
                 max_in_flight: 16,
+                lanes: 2,
             },
         }
     }
@@ -130,6 +135,15 @@ pub struct WorkerConfig {
     pub batch_wait: Duration,
     /// Most batches being applied at once.
     pub max_in_flight: usize,
+    /// For a handler with a tally: connections its claims share, sending
+    /// each without waiting for the answers to the others (tokio-postgres
+    /// pipelines them) and committing each without waiting for its WAL
+    /// flush; the deliveries are acked once a flush, shared by every claim
+    /// before it, has found their consume records (`store::flush`). 0:
+    /// each transaction on a connection of its own, waiting for its own
+    /// flush. Per-message mode's default; batch mode, whose commits share
+    /// a flush among a batch already, has none.
+    pub lanes: usize,
     /// Genuine failures after which a message is dead-lettered (the failure
     /// ledger counts them; the queue's delivery limit is only a backstop).
     pub max_attempts: u32,
@@ -205,6 +219,7 @@ impl WorkerConfig {
             batch_size: tuning.batch_size,
             batch_wait: Self::DEFAULT_BATCH_WAIT,
             max_in_flight: tuning.max_in_flight,
+            lanes: tuning.lanes,
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
@@ -407,7 +422,19 @@ impl<H: Handler> Worker<H> {
         };
         let pool = self.config.database.pool()?;
         let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
-        let store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
+        // A connection of its own, which it holds for as long as it can.
+        let mut store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
+        if self.config.lanes > 0 {
+            let pool_of = |pool_size| {
+                DatabaseConfig {
+                    pool_size,
+                    ..self.config.database.clone()
+                }
+                .pool()
+            };
+            let lanes = self.config.lanes;
+            store = store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?));
+        }
         let epochs_pool = epochs::pool(&self.config.database)?;
         match store
             .wait_until_ready::<H>(
@@ -748,7 +775,8 @@ async fn consume<H: Handler>(
         in_flight.spawn(
             async move {
                 let _counted = counted;
-                let processing = Box::pin(processor.process(batch));
+                let slot = Slot::new(permit);
+                let processing = Box::pin(processor.process(batch, &slot));
                 let settlements = match caught::future(processing).await {
                     Ok(mut decided) => {
                         if !decided.waiting.is_empty() || !decided.dead.is_empty() {
@@ -768,7 +796,7 @@ async fn consume<H: Handler>(
                     Err(panic) => given_back(&processor.stats, tags, &panic),
                 };
                 settler.settle(settlements);
-                drop(permit);
+                drop(slot);
             }
             .instrument(span),
         );

@@ -44,6 +44,25 @@ impl<E> Item<E> {
     }
 }
 
+/// A batch's place among the transactions in flight.
+pub(crate) struct Slot(std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>);
+
+impl Slot {
+    pub(crate) fn new(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        Self(std::sync::Mutex::new(Some(permit)))
+    }
+
+    /// Lets another batch start: this one's transaction committed.
+    fn give_up(&self) {
+        drop(
+            self.0
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take(),
+        );
+    }
+}
+
 /// A failed delivery to publish to the wait queue of its delay; it is acked
 /// only once that copy is confirmed.
 #[derive(Debug)]
@@ -126,7 +145,9 @@ impl<H: Handler> Processor<H> {
 
     /// Decides every delivery of `batch`. Returns only once each is decided,
     /// which may be long while the database is unavailable.
-    pub(crate) async fn process(&self, batch: Vec<Delivery>) -> Decided {
+    /// `slot` is the batch's place among the transactions in flight,
+    /// given up once its transaction committed and only its flush is left.
+    pub(crate) async fn process(&self, batch: Vec<Delivery>, slot: &Slot) -> Decided {
         self.stats.received(batch.len() as u64);
         let mut decided = Decided {
             settlements: Vec::with_capacity(batch.len()),
@@ -154,7 +175,7 @@ impl<H: Handler> Processor<H> {
                 }
             }
         }
-        self.apply(items, &mut decided).await;
+        self.apply(items, &mut decided, Some(slot)).await;
         self.index(&decided.dead_letters).await;
         decided
     }
@@ -204,7 +225,12 @@ impl<H: Handler> Processor<H> {
     /// Applies `items` in one transaction; when that fails for a message
     /// reason and there is more than one, applies them one by one so that a
     /// poison message cannot hold back the others.
-    async fn apply(&self, mut items: Vec<Item<H::Event>>, decided: &mut Decided) {
+    async fn apply(
+        &self,
+        mut items: Vec<Item<H::Event>>,
+        decided: &mut Decided,
+        slot: Option<&Slot>,
+    ) {
         if items.iter().any(|item| item.delivery.redelivered) {
             items = self.dead_letter_exhausted(items, decided).await;
         }
@@ -231,21 +257,40 @@ impl<H: Handler> Processor<H> {
         } else {
             Span::none()
         };
-        let started = std::time::Instant::now();
-        let outcome = self
-            .until_database_answers(
-                || async {
-                    if first_deliveries {
-                        self.applier.apply_first_deliveries(&events).await
-                    } else {
-                        self.applier.apply(&events).await
-                    }
-                },
-                is_infrastructure,
-            )
-            .instrument(transaction)
-            .await;
-        self.stats.transaction(events.len(), started.elapsed());
+        // Acked only once on disk: a commit that did not wait for its own
+        // flush waits for a flush to find its records, and runs again when
+        // one did not (an event it put in is then a duplicate, and counts as
+        // applied here still).
+        let (mut earlier, mut pause) = (None, crate::store::RERUN_PAUSE);
+        let outcome = loop {
+            let started = std::time::Instant::now();
+            let committed = self
+                .until_database_answers(
+                    || self.applier.commit(&events, first_deliveries),
+                    is_infrastructure,
+                )
+                .instrument(transaction.clone())
+                .await;
+            self.stats.transaction(events.len(), started.elapsed());
+            let committed = match committed {
+                Ok(committed) => committed.after(earlier.take()),
+                Err(failure) => break Err(failure),
+            };
+            if let Some(slot) = slot {
+                slot.give_up();
+            }
+            if self.applier.flushed(&committed).await {
+                break Ok(committed.claimed);
+            }
+            debug!(
+                events = events.len(),
+                "a flush did not find what the transaction put in: running it again"
+            );
+            // Not at once: a flush that keeps failing would spin.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(self.max_hold_backoff);
+            earlier = Some(committed);
+        };
         let outcome = outcome.map(|mut claimed| {
             items
                 .iter()
@@ -272,7 +317,7 @@ impl<H: Handler> Processor<H> {
             Err(failure) if items.len() > 1 => {
                 info!(batch.size = items.len(), %failure, "batch transaction failed: applying its messages one by one");
                 for item in items {
-                    Box::pin(self.apply(vec![item], decided)).await;
+                    Box::pin(self.apply(vec![item], decided, None)).await;
                 }
             }
             Err(failure) => {

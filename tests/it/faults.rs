@@ -886,6 +886,113 @@ in_both_modes!(
     a_failure_the_ledger_cannot_take_holds_its_delivery_instead_of_returning_it,
 );
 
+/// A PostgreSQL server of the test's own (`pg_createcluster`), trusting
+/// local connections, for a test that crashes it; dropped with it.
+struct OwnServer {
+    version: String,
+    name: String,
+    port: u16,
+}
+
+impl OwnServer {
+    fn start() -> anyhow::Result<Self> {
+        let version = std::fs::read_dir("/etc/postgresql")?
+            .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
+            .max_by_key(|version| version.parse::<u32>().unwrap_or(0))
+            .ok_or_else(|| anyhow::anyhow!("no PostgreSQL version in /etc/postgresql"))?;
+        let server = Self {
+            version,
+            name: crate::helpers::unique_name(),
+            port: free_port()?,
+        };
+        let port = server.port.to_string();
+        run(std::process::Command::new("pg_createcluster")
+            .args([&server.version, &server.name, "--port", &port])
+            .args(["--", "--auth=trust"]))?;
+        server.ctl(&["start"])?;
+        Ok(server)
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops it as a crash would (`-m immediate`: no checkpoint, what was
+    /// not flushed is lost), then starts it again.
+    fn crash_and_restart(&self) -> anyhow::Result<()> {
+        self.ctl(&["stop", "-m", "immediate"])?;
+        self.ctl(&["start"])
+    }
+
+    fn ctl(&self, args: &[&str]) -> anyhow::Result<()> {
+        run(std::process::Command::new("pg_ctlcluster")
+            .args(["--skip-systemctl-redirect", &self.version, &self.name])
+            .args(args))
+    }
+}
+
+/// Runs `command`; its stderr is the error when it fails.
+fn run(command: &mut std::process::Command) -> anyhow::Result<()> {
+    let output = command.output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{command:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(())
+}
+
+impl Drop for OwnServer {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("pg_dropcluster")
+            .args(["--stop", &self.version, &self.name])
+            .output();
+    }
+}
+
+/// Per-message mode commits its claims without waiting for their flush
+/// and acks them once a flush found their records: a server that crashes
+/// loses what it had not flushed, and those claims run again. Nothing it
+/// acked is lost, nothing is applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_server_crash_loses_nothing_the_worker_acked() -> anyhow::Result<()> {
+    let server = OwnServer::start()?;
+    let env = TestEnv::on_database_server(server.url()).await?;
+    let load = load(&env, 8000, 0.1, 50);
+    env.publish_events(&load).await?;
+    let config = env.worker_config(Mode::PerMessage);
+    assert!(config.lanes > 0, "claims commit unflushed by default");
+    let worker = RunningWorker::start(config);
+    // The test's own sessions end with each crash too: a count that fails
+    // is not there yet.
+    let distinct = idem::generate::distinct_events(&load) as i64;
+    for n in [2000, 4000, distinct] {
+        wait_for(
+            &format!("{n} consume records"),
+            Duration::from_secs(120),
+            || async { Ok(env.records(GROUP).await.unwrap_or(0) >= n) },
+        )
+        .await?;
+        if n < distinct {
+            server.crash_and_restart()?;
+        }
+    }
+    wait_for(
+        "the work queue to drain",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? == 0) },
+    )
+    .await?;
+    let stats = worker.stats.snapshot();
+    worker.stop().await?;
+    assert!(
+        stats.infrastructure_retries > 0,
+        "it saw the crashes: {stats:?}"
+    );
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert_exact(&env, &load, &[]).await
+}
+
 /// Several PostgreSQL hosts and several RabbitMQ nodes, the first of each
 /// down: the worker connects to the next (for PostgreSQL, the next that
 /// accepts writes) and applies the load.

@@ -309,6 +309,12 @@ impl TestEnv {
         Self::create(None, amqp_url()).await
     }
 
+    /// As [`TestEnv::new`], on the PostgreSQL server at `database_url` (a
+    /// server of the test's own, which takes the schema with it).
+    pub async fn on_database_server(database_url: String) -> anyhow::Result<Self> {
+        Self::create_at(database_url, None, amqp_url()).await
+    }
+
     /// As [`TestEnv::new`], on the broker (or cluster: one URL per node,
     /// separated by commas) at `amqp_url`.
     pub async fn on_broker(amqp_url: String) -> anyhow::Result<Self> {
@@ -328,13 +334,21 @@ impl TestEnv {
     }
 
     async fn create(own_database: Option<String>, amqp_url: String) -> anyhow::Result<Self> {
-        sweep_leftovers_once();
-        let name = unique_name();
-        let schema = name.clone();
         let url = match &own_database {
             Some(database) => database_url_in(database),
             None => database_url(),
         };
+        Self::create_at(url, own_database, amqp_url).await
+    }
+
+    async fn create_at(
+        url: String,
+        own_database: Option<String>,
+        amqp_url: String,
+    ) -> anyhow::Result<Self> {
+        sweep_leftovers_once();
+        let name = unique_name();
+        let schema = name.clone();
         let database = DatabaseConfig {
             connect_timeout: patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT),
             ..DatabaseConfig::new(SecretUrl::new(url)).with_schema(&schema)
@@ -1017,6 +1031,26 @@ async fn sweep() -> anyhow::Result<()> {
         for entry in entries.flatten() {
             if entry.file_name().to_str().is_some_and(is_orphan) {
                 let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    // PostgreSQL servers of a test's own (`pg_createcluster`).
+    for version in std::fs::read_dir("/etc/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let clusters = std::fs::read_dir(version.path())
+            .into_iter()
+            .flatten()
+            .flatten();
+        for cluster in clusters {
+            if cluster.file_name().to_str().is_some_and(is_orphan) {
+                let _ = std::process::Command::new("pg_dropcluster")
+                    .arg("--stop")
+                    .arg(version.file_name())
+                    .arg(cluster.file_name())
+                    .output();
             }
         }
     }
