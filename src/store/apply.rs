@@ -232,10 +232,10 @@ impl<H: Handler> Applier<H> {
     /// events that went in send ([`Handler::outgoing`]) are written to the
     /// outbox in the same transaction.
     ///
-    /// With a flusher ([`Store::with_flusher`]) the transaction commits
-    /// without waiting for its flush, and this returns once a flush is done;
-    /// when that cannot be known (the flusher lost its connection) it runs
-    /// the transaction again.
+    /// With lanes ([`Store::with_lanes`]) a handler with a tally commits
+    /// without waiting for its flush, and this returns once a flush has
+    /// found what went in; when a flush did not (the record was lost, or
+    /// the flush failed) it runs the transaction again.
     pub async fn apply<'e>(&self, events: &[&'e H::Event]) -> Result<Claimed<'e>, Failure> {
         self.apply_flushed(events, false).await
     }

@@ -175,7 +175,7 @@ pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
 
 /// `statement` (one of the claims above, ending in `SELECT event_id FROM
 /// claimed`) committing without waiting for its WAL flush: for a store
-/// whose flusher flushes for it ([`super::Flusher`]). The setting is the
+/// whose lanes flush for it ([`super::Lanes`]). The setting is the
 /// transaction's own (`set_config(…, true)`), set as the first event that
 /// went in is read; a transaction in which none went in has written no
 /// consume record, and commits as any does.
