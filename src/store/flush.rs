@@ -53,6 +53,7 @@ struct Inner {
     pool: Pool,
     lanes: Vec<Mutex<Option<Arc<Object>>>>,
     next: AtomicUsize,
+    flush_pool: Pool,
     requests: mpsc::UnboundedSender<Request>,
     /// The server refused a flush (the function not granted, say): claims
     /// wait for their own flush from then on.
@@ -73,12 +74,17 @@ impl Lanes {
     pub fn new(pool: Pool, lanes: usize, flush_pool: Pool) -> Self {
         let (requests, received) = mpsc::unbounded_channel();
         let refused = Arc::new(AtomicBool::new(false));
-        tokio::spawn(flush_rounds(flush_pool, received, Arc::clone(&refused)));
+        tokio::spawn(flush_rounds(
+            flush_pool.clone(),
+            received,
+            Arc::clone(&refused),
+        ));
         Self {
             inner: Arc::new(Inner {
                 pool,
                 lanes: (0..lanes.max(1)).map(|_| Mutex::new(None)).collect(),
                 next: AtomicUsize::new(0),
+                flush_pool,
                 requests,
                 refused,
             }),
@@ -89,6 +95,18 @@ impl Lanes {
     /// flush.
     pub fn usable(&self) -> bool {
         !self.inner.refused.load(Ordering::Relaxed)
+    }
+
+    /// Flushes once, for no claim, before any claim commits unflushed: a
+    /// server that refuses the flush is found out before a claim would
+    /// need it. (One that refuses it later, its grant revoked meanwhile,
+    /// holds the deliveries of the claims waiting for a flush, retried,
+    /// until it is granted again.) A flush that fails otherwise is left
+    /// to the claims to meet.
+    pub async fn check(&self) {
+        if let Err(error) = flush(&self.inner.flush_pool, &mut None, &[], 0).await {
+            refusal(&error, &self.inner.refused);
+        }
     }
 
     /// A connection to send an unflushed claim on, in turn.
@@ -156,15 +174,7 @@ async fn flush_rounds(
             Ok(found) => found,
             Err(error) => {
                 client = None;
-                if let StoreError::Postgres(error) = &error
-                    && matches!(
-                        error.code(),
-                        Some(&SqlState::INSUFFICIENT_PRIVILEGE | &SqlState::UNDEFINED_FUNCTION)
-                    )
-                    && !refused.swap(true, Ordering::Relaxed)
-                {
-                    warn!(error = %describe(error), "the server refused idem's flush: claims wait for their own flush from now on");
-                }
+                refusal(&error, &refused);
                 Vec::new()
             }
         };
@@ -175,6 +185,19 @@ async fn flush_rounds(
                 .all(|digest| found.binary_search(digest).is_ok());
             let _ = request.found.send(all);
         }
+    }
+}
+
+/// Says once that the server refused the flush, when `error` is that.
+fn refusal(error: &StoreError, refused: &AtomicBool) {
+    if let StoreError::Postgres(error) = error
+        && matches!(
+            error.code(),
+            Some(&SqlState::INSUFFICIENT_PRIVILEGE | &SqlState::UNDEFINED_FUNCTION)
+        )
+        && !refused.swap(true, Ordering::Relaxed)
+    {
+        warn!(error = %describe(error), "the server refused idem's flush: claims wait for their own flush from now on");
     }
 }
 

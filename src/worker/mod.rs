@@ -448,6 +448,9 @@ impl<H: Handler> Worker<H> {
             Err(ReadyError::Interrupted) => return Ok(()),
             Err(error) => return Err(error.into()),
         }
+        if let Some(lanes) = store.lanes() {
+            lanes.check().await;
+        }
         let Self {
             config,
             handler,

@@ -993,6 +993,47 @@ async fn a_database_server_crash_loses_nothing_the_worker_acked() -> anyhow::Res
     assert_exact(&env, &load, &[]).await
 }
 
+/// A role the server does not let call the flush's function: the worker
+/// says so once, and its per-message claims each wait for their own flush,
+/// every event applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_server_that_refuses_the_flush_gets_a_flush_per_transaction() -> anyhow::Result<()> {
+    let server = OwnServer::start()?;
+    let env = TestEnv::on_database_server(server.url()).await?;
+    let schema = &env.schema;
+    env.sql(&format!(
+        "CREATE ROLE plain LOGIN;
+         GRANT USAGE, CREATE ON SCHEMA {schema} TO plain;
+         GRANT ALL ON ALL TABLES IN SCHEMA {schema} TO plain;
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA {schema} TO plain;
+         REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, text) FROM PUBLIC;
+         REVOKE EXECUTE ON FUNCTION pg_logical_emit_message(boolean, text, bytea) FROM PUBLIC;"
+    ))
+    .await?;
+    let load = load(&env, 2000, 0.1, 20);
+    env.publish_events(&load).await?;
+    let plain = server
+        .url()
+        .replace("postgres://postgres@", "postgres://plain@");
+    let worker = WorkerProcess::spawn(&env, Mode::PerMessage, &amqp_url(), &plain, &[])?;
+    let distinct = idem::generate::distinct_events(&load) as i64;
+    wait_records(&env, distinct, Duration::from_secs(60)).await?;
+    wait_for(
+        "the work queue to drain",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? == 0) },
+    )
+    .await?;
+    let log = worker.stop().await?;
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("the server refused idem's flush"))
+        .collect();
+    assert_eq!(refused.len(), 1, "said once: {log}");
+    assert!(refused[0].contains("permission denied"), "{log}");
+    assert_exact(&env, &load, &[]).await
+}
+
 /// Several PostgreSQL hosts and several RabbitMQ nodes, the first of each
 /// down: the worker connects to the next (for PostgreSQL, the next that
 /// accepts writes) and applies the load.
