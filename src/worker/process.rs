@@ -282,6 +282,7 @@ impl<H: Handler> Processor<H> {
             if self.applier.flushed(&committed).await {
                 break Ok(committed.claimed);
             }
+            self.stats.unconfirmed();
             debug!(
                 events = events.len(),
                 "a flush did not find what the transaction put in: running it again"

@@ -63,6 +63,7 @@ pub struct Stats {
     relay: crate::relay::RelayCounters,
     epochs: crate::store::filter::EpochCounters,
     copies_nacked: Counter,
+    unconfirmed: Counter,
 }
 
 /// A copy of the counters at one moment.
@@ -93,6 +94,9 @@ pub struct Snapshot {
     /// Copies (to wait, to the dead-letter exchange, due back to work) the
     /// broker nacked, each sent again on a fresh channel.
     pub copies_nacked: u64,
+    /// Transactions run again because a flush did not find what they put
+    /// in (the server lost it, or the flush failed).
+    pub unconfirmed: u64,
 }
 
 impl Snapshot {
@@ -147,6 +151,7 @@ impl Stats {
             relay: crate::relay::RelayCounters::default(),
             epochs: crate::store::filter::EpochCounters::default(),
             copies_nacked: Counter::default(),
+            unconfirmed: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -280,6 +285,13 @@ impl Stats {
             stats.copies_nacked.clone(),
         );
         registry.register(
+            "unconfirmed_transactions",
+            "Transactions committed without waiting for their flush that a flush did not find \
+             on disk (the server lost them, or the flush failed), each run again before its \
+             deliveries are acked",
+            stats.unconfirmed.clone(),
+        );
+        registry.register(
             "straight_claims",
             "Events claimed straight into the current epoch, without the claim function \
              (per-message mode, first deliveries, every closed epoch filtered)",
@@ -317,6 +329,7 @@ impl Stats {
             outbox_sent: self.relay.sent.get(),
             outbox_refused: self.relay.refused.get(),
             copies_nacked: self.copies_nacked.get(),
+            unconfirmed: self.unconfirmed.get(),
         }
     }
 
@@ -358,6 +371,11 @@ impl Stats {
                 delay: crate::duration::format(delay),
             })
             .inc_by(n);
+    }
+
+    /// A transaction a flush did not confirm, run again.
+    pub(crate) fn unconfirmed(&self) {
+        self.unconfirmed.inc();
     }
 
     pub(crate) fn dead_lettered(&self, n: u64) {

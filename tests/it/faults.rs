@@ -989,6 +989,10 @@ async fn a_database_server_crash_loses_nothing_the_worker_acked() -> anyhow::Res
         stats.infrastructure_retries > 0,
         "it saw the crashes: {stats:?}"
     );
+    assert!(
+        stats.unconfirmed > 0,
+        "claims waiting for a flush at a crash ran again: {stats:?}"
+    );
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
     assert_exact(&env, &load, &[]).await
 }
