@@ -156,7 +156,7 @@ pub struct Applier<H: Handler> {
     /// the handler has a tally and sends messages.
     tally_and_send: Option<[Claim; 2]>,
     /// The claim of the general path.
-    claim: Claim,
+    claim: String,
     /// The general path's outbox rows, when the handler sends messages.
     send: Option<String>,
 }
@@ -207,7 +207,7 @@ impl<H: Handler> Applier<H> {
             tally,
             straight,
             tally_and_send,
-            claim: Claim::new(claim::claim_statement()),
+            claim: claim::claim_statement(),
             send: H::SENDS_MESSAGES.then(outbox::insert_statement),
         })
     }
@@ -331,11 +331,12 @@ impl<H: Handler> Applier<H> {
         if let Some((tally, statements)) = &self.tally {
             // One statement: unflushed on a lane, when a flush can find its
             // records; else on a connection of its own.
-            let (lanes, from_epoch) = match (self.store.lanes(), consulted.by_digest_from) {
-                (Some(lanes), Some(from)) if lanes.usable() => (Some(lanes), Some(from)),
-                _ => (None, None),
-            };
-            let unflushed = from_epoch.is_some();
+            let lanes = self
+                .store
+                .lanes()
+                .filter(|lanes| lanes.usable() && consulted.by_digest_from.is_some());
+            let from_epoch = lanes.and(consulted.by_digest_from);
+            let unflushed = lanes.is_some();
             let (lane, pooled);
             let client: &deadpool_postgres::ClientWrapper = match lanes {
                 Some(lanes) => {
@@ -401,10 +402,7 @@ impl<H: Handler> Applier<H> {
 
         let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let tx = client.transaction().await.map_err(database)?;
-        let statement = tx
-            .prepare_cached(&self.claim.flushed)
-            .await
-            .map_err(database)?;
+        let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
         let rows = tx
             .query(&statement, &claim_params)
             .await

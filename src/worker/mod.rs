@@ -43,7 +43,7 @@ use crate::telemetry::trace;
 use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
 use intake::Intake;
-use process::{Processor, Slot};
+use process::Processor;
 use settle::{Disposition, Settlement, Settler};
 
 /// How deliveries are grouped into transactions.
@@ -422,7 +422,6 @@ impl<H: Handler> Worker<H> {
         };
         let pool = self.config.database.pool()?;
         let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
-        // A connection of its own, which it holds for as long as it can.
         let mut store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
         if self.config.lanes > 0 {
             let pool_of = |pool_size| {
@@ -778,8 +777,8 @@ async fn consume<H: Handler>(
         in_flight.spawn(
             async move {
                 let _counted = counted;
-                let slot = Slot::new(permit);
-                let processing = Box::pin(processor.process(batch, &slot));
+                let mut permit = Some(permit);
+                let processing = Box::pin(processor.process(batch, &mut permit));
                 let settlements = match caught::future(processing).await {
                     Ok(mut decided) => {
                         if !decided.waiting.is_empty() || !decided.dead.is_empty() {
@@ -799,7 +798,7 @@ async fn consume<H: Handler>(
                     Err(panic) => given_back(&processor.stats, tags, &panic),
                 };
                 settler.settle(settlements);
-                drop(slot);
+                drop(permit);
             }
             .instrument(span),
         );

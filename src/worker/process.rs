@@ -15,6 +15,7 @@ use std::time::Duration;
 use backon::Retryable;
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, DeliveryTag};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, Span, debug, info, info_span, warn};
 
 use super::health::{DatabaseHealth, Hold};
@@ -41,25 +42,6 @@ struct Item<E> {
 impl<E> Item<E> {
     fn tag(&self) -> DeliveryTag {
         self.delivery.delivery_tag
-    }
-}
-
-/// A batch's place among the transactions in flight.
-pub(crate) struct Slot(std::sync::Mutex<Option<tokio::sync::OwnedSemaphorePermit>>);
-
-impl Slot {
-    pub(crate) fn new(permit: tokio::sync::OwnedSemaphorePermit) -> Self {
-        Self(std::sync::Mutex::new(Some(permit)))
-    }
-
-    /// Lets another batch start: this one's transaction committed.
-    fn give_up(&self) {
-        drop(
-            self.0
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .take(),
-        );
     }
 }
 
@@ -147,7 +129,11 @@ impl<H: Handler> Processor<H> {
     /// which may be long while the database is unavailable.
     /// `slot` is the batch's place among the transactions in flight,
     /// given up once its transaction committed and only its flush is left.
-    pub(crate) async fn process(&self, batch: Vec<Delivery>, slot: &Slot) -> Decided {
+    pub(crate) async fn process(
+        &self,
+        batch: Vec<Delivery>,
+        slot: &mut Option<OwnedSemaphorePermit>,
+    ) -> Decided {
         self.stats.received(batch.len() as u64);
         let mut decided = Decided {
             settlements: Vec::with_capacity(batch.len()),
@@ -229,7 +215,7 @@ impl<H: Handler> Processor<H> {
         &self,
         mut items: Vec<Item<H::Event>>,
         decided: &mut Decided,
-        slot: Option<&Slot>,
+        mut slot: Option<&mut Option<OwnedSemaphorePermit>>,
     ) {
         if items.iter().any(|item| item.delivery.redelivered) {
             items = self.dead_letter_exhausted(items, decided).await;
@@ -276,8 +262,9 @@ impl<H: Handler> Processor<H> {
                 Ok(committed) => committed.after(earlier.take()),
                 Err(failure) => break Err(failure),
             };
-            if let Some(slot) = slot {
-                slot.give_up();
+            // The transaction committed: another batch may start.
+            if let Some(slot) = &mut slot {
+                slot.take();
             }
             if self.applier.flushed(&committed).await {
                 break Ok(committed.claimed);
