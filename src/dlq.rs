@@ -25,7 +25,7 @@ use lapin::{BasicProperties, Channel, PublisherConfirm};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::broker::death::{Death, replay_headers, replays};
 use crate::broker::{
@@ -245,6 +245,7 @@ pub async fn run_showing<H: Handler>(
     }
     let mut reconnects = Reconnects::new(config.patience, "working through dead letters");
     let mut nacks = Nacks::new(config.patience);
+    let mut consuming = None;
     loop {
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();
         let connection =
@@ -262,6 +263,7 @@ pub async fn run_showing<H: Handler>(
             held: Vec::new(),
             indexed_matches: None,
             matched: 0,
+            consuming: &mut consuming,
         };
         let result = pass.run(&connection, shutdown).await;
         close(&connection).await;
@@ -557,6 +559,11 @@ struct Pass<'a, H> {
     indexed_matches: Option<usize>,
     /// Letters this pass found matching.
     matched: usize,
+    /// While a pass consumes the dead-letter queue, how many consumers the
+    /// queue had besides: once a pass lost its connection, the next waits
+    /// for the broker to count no more (it gave back what the lost one
+    /// held).
+    consuming: &'a mut Option<u32>,
 }
 
 impl<H: Handler> Pass<'_, H> {
@@ -566,6 +573,16 @@ impl<H: Handler> Pass<'_, H> {
         shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
         let getter = connection.create_channel().await?;
+        if let Some(others) = *self.consuming {
+            await_released(
+                &getter,
+                &self.config.dead_letter_queue,
+                others,
+                self.config.patience,
+            )
+            .await?;
+            *self.consuming = None;
+        }
         // Replays and moves to the tail go on one confirm channel, opened
         // for the first of either.
         let mut publisher = match self.action {
@@ -590,7 +607,8 @@ impl<H: Handler> Pass<'_, H> {
         };
         // At most what is in the queue when the pass starts: what dies while
         // it runs (a replay that fails again, say) is for the next run.
-        let mut taking = Taking::start(&getter, &self.config.dead_letter_queue).await?;
+        let mut taking =
+            Taking::start(&getter, &self.config.dead_letter_queue, self.consuming).await?;
         self.progress.set_total(taking.left as u64);
         self.report.not_looked_at = 0;
         self.indexed_matches = self.indexed_matches(taking.left).await;
@@ -1191,12 +1209,19 @@ struct Taking {
 
 impl Taking {
     /// Counts the queue (a passive declare) and, when it holds letters,
-    /// starts consuming it on `channel`.
-    async fn start(channel: &Channel, queue: &str) -> lapin::Result<Self> {
-        let left = ready_messages(channel, queue).await? as usize;
+    /// starts consuming it on `channel`, with `consuming` set to the
+    /// consumers it had before.
+    async fn start(
+        channel: &Channel,
+        queue: &str,
+        consuming: &mut Option<u32>,
+    ) -> lapin::Result<Self> {
+        let (ready, consumers) = queue_counts(channel, queue).await?;
+        let left = ready as usize;
         let consumer = if left == 0 {
             None
         } else {
+            *consuming = Some(consumers);
             Some(
                 channel
                     .basic_consume(
@@ -1263,6 +1288,42 @@ impl Taking {
         Ok(())
     }
 }
+
+/// Waits, `patience` at most, until `queue` has no more than `others`
+/// consumers: the broker has noticed that a lost connection's consumer is
+/// gone, and given back every letter it held. (It notices when the socket
+/// closes, or after a missed heartbeat when the network went.) A pass that
+/// counted the queue before would end without them.
+async fn await_released(
+    channel: &Channel,
+    queue: &str,
+    others: u32,
+    patience: Duration,
+) -> lapin::Result<()> {
+    let deadline = Instant::now() + patience;
+    let mut told = false;
+    while queue_counts(channel, queue).await?.1 > others {
+        if Instant::now() >= deadline {
+            warn!(
+                "RabbitMQ still holds the dead letters the lost connection had taken; \
+                 they are back in {queue} once it notices the loss, for another run"
+            );
+            return Ok(());
+        }
+        if !told {
+            info!(
+                "waiting for RabbitMQ to give back the dead letters the lost connection had taken"
+            );
+            told = true;
+        }
+        tokio::time::sleep(RELEASE_POLL).await;
+    }
+    Ok(())
+}
+
+/// How often a pass looks whether the broker gave back a lost connection's
+/// letters.
+const RELEASE_POLL: Duration = Duration::from_millis(50);
 
 /// Paces replays to a rate.
 struct Pacer {

@@ -377,6 +377,23 @@ async fn a_publish_cut_off_mid_way_resends_what_was_not_confirmed() -> anyhow::R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> {
+    requeue_cut_off_mid_way(Proxy::cut).await
+}
+
+/// The broker gives back what a lost connection held only once it notices
+/// the loss (at once when the socket closes; after a missed heartbeat when
+/// the network went): the replay, on its new connection, waits for those
+/// letters instead of ending without them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requeue_whose_lost_connection_the_broker_notices_late_loses_no_dead_letter()
+-> anyhow::Result<()> {
+    requeue_cut_off_mid_way(|broker| broker.cut_noticed_late(Duration::from_secs(3))).await
+}
+
+/// Dead-letters 800 invalid messages, replays them all through a proxy of
+/// the broker that `cut` cuts mid-way, and checks that every one is back in
+/// the work queue and none is left.
+async fn requeue_cut_off_mid_way(cut: impl FnOnce(&Proxy)) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let bodies: Vec<Vec<u8>> = (0..800)
         .map(|i| format!("invalid message {i}").into_bytes())
@@ -405,7 +422,7 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
         include_invalid: true,
     };
     let report =
-        replay_cut_off_mid_way(&env, idem::dlq::Filter::default(), replay_all, 300).await?;
+        replay_cut_off_mid_way(&env, idem::dlq::Filter::default(), replay_all, 300, cut).await?;
     // A replay confirmed but whose ack the cut lost is replayed again.
     assert!(
         report.replayed.len() >= 800,
@@ -438,14 +455,15 @@ async fn a_requeue_cut_off_mid_way_loses_no_dead_letter() -> anyhow::Result<()> 
 }
 
 /// Runs `action` on `env`'s dead letters that match `filter`, through a
-/// proxy of the broker whose connections are cut once `under_way` messages
-/// are ready in the work queue; the run must connect again once and end
-/// well. Returns its report.
+/// proxy of the broker whose connections `cut` cuts once `under_way`
+/// messages are ready in the work queue; the run must connect again once
+/// and end well. Returns its report.
 async fn replay_cut_off_mid_way(
     env: &TestEnv,
     filter: idem::dlq::Filter,
     action: idem::dlq::Action,
     under_way: u32,
+    cut: impl FnOnce(&Proxy),
 ) -> anyhow::Result<idem::dlq::Report> {
     let broker = Proxy::start(amqp_address()).await?;
     let config = idem::dlq::DlqConfig {
@@ -466,7 +484,7 @@ async fn replay_cut_off_mid_way(
         || async { Ok(env.ready(&env.topology.queue).await? >= under_way) },
     )
     .await?;
-    broker.cut();
+    cut(&broker);
     let report = replaying.await??;
     assert!(report.succeeded(), "{report:?}");
     assert_eq!(report.reconnects, 1, "the cut landed mid-way");
@@ -504,7 +522,7 @@ async fn a_filtered_replay_cut_off_mid_way_leaves_exactly_the_letters_it_did_not
         rate: Some(200.0),
         include_invalid: false,
     };
-    let report = replay_cut_off_mid_way(&env, filter, replay, 100).await?;
+    let report = replay_cut_off_mid_way(&env, filter, replay, 100, Proxy::cut).await?;
 
     // The broker's statistics lag seconds behind: the queue is read once
     // they agree with its own count of ready letters.

@@ -5,9 +5,10 @@
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 /// Forwards `127.0.0.1:port` to an upstream address.
@@ -15,8 +16,8 @@ pub struct Proxy {
     pub port: u16,
     /// True while connections are let through; false while severed.
     open: watch::Sender<bool>,
-    /// The forwarding tasks of live connections, aborted by a sever.
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    /// The live connections, dropped by a sever.
+    connections: Arc<Mutex<Vec<Link>>>,
     /// Connections closed at once because the proxy was severed.
     turned_away: Arc<AtomicUsize>,
     acceptor: JoinHandle<()>,
@@ -68,7 +69,18 @@ impl Proxy {
     pub fn cut(&self) {
         let mut connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
         for connection in connections.drain(..) {
-            connection.abort();
+            connection.task.abort();
+        }
+    }
+
+    /// Drops the client's side of every connection through the proxy at
+    /// once and the server's side `late`, as a network cut does that the
+    /// server notices only when a heartbeat is missed; new connections are
+    /// accepted.
+    pub fn cut_noticed_late(&self, late: Duration) {
+        let mut connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        for connection in connections.drain(..) {
+            let _ = connection.cut_late.send(late);
         }
     }
 
@@ -95,7 +107,7 @@ async fn accept(
     listener: TcpListener,
     upstream: SocketAddr,
     open: watch::Receiver<bool>,
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    connections: Arc<Mutex<Vec<Link>>>,
     turned_away: Arc<AtomicUsize>,
 ) {
     loop {
@@ -109,19 +121,34 @@ async fn accept(
             turned_away.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        let task = tokio::spawn(forward(client, upstream));
+        let (cut_late, cut) = oneshot::channel();
+        let task = tokio::spawn(forward(client, upstream, cut));
         connections
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(task);
+            .push(Link { task, cut_late });
     }
 }
 
-async fn forward(mut client: TcpStream, upstream: SocketAddr) {
+/// A connection through the proxy.
+struct Link {
+    /// Forwards it; aborted, it drops both sides.
+    task: JoinHandle<()>,
+    /// Drops the client's side, and the server's this much later.
+    cut_late: oneshot::Sender<Duration>,
+}
+
+async fn forward(mut client: TcpStream, upstream: SocketAddr, cut: oneshot::Receiver<Duration>) {
     let Ok(mut server) = TcpStream::connect(upstream).await else {
         return;
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+    tokio::select! {
+        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+        Ok(late) = cut => {
+            drop(client);
+            tokio::time::sleep(late).await;
+        }
+    }
 }
