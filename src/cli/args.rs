@@ -196,10 +196,10 @@ pub(crate) struct WorkerArgs<F: Args> {
         value_parser = choice(&Mode::ALL, |mode| mode.as_flag())
     )]
     pub(crate) mode: Mode,
-    /// Most unacknowledged deliveries in this worker [default: 1000 in batch mode, 64 per message].
+    /// Most unacknowledged deliveries in this worker [default: 4000 in batch mode, 64 per message].
     #[arg(long, env = vars::PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
     pub(crate) prefetch: Option<u16>,
-    /// Batch mode: most deliveries in one transaction [default: 200].
+    /// Batch mode: most deliveries in one transaction [default: 500].
     #[arg(long, env = vars::BATCH_SIZE, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub(crate) batch_size: Option<u32>,
     /// Batch mode: how long a batch waits for more deliveries after its first.

@@ -83,14 +83,15 @@ impl Mode {
     }
 
     /// Defaults measured with `idem bench` on a 2-core host
-    /// (`docs/guide/performance.md`). Batch mode keeps the prefetch above what its batches
-    /// hold in flight (3 × 200) plus the one filling, so that the broker is
-    /// never short of credit while a commit is under way.
+    /// (`docs/guide/performance.md`, *Batches of 500*). Batch mode's
+    /// prefetch is twice what its batches in flight (3 × 500) and the one
+    /// filling hold: the other half keeps arriving while they commit, so
+    /// that the next batches are full the moment a slot frees.
     pub fn tuning(self) -> Tuning {
         match self {
             Mode::Batch => Tuning {
-                batch_size: 200,
-                prefetch: 1000,
+                batch_size: 500,
+                prefetch: 4000,
                 max_in_flight: 3,
                 lanes: 0,
             },
