@@ -201,6 +201,7 @@ const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 const BATCH: &str = "3 batch";
 const BATCH_BASELINE: &str = "3 batch, baseline build";
 const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
+const BATCH_OUTBOX_BASELINE: &str = "4 batch, outbox on, baseline build";
 const PUBLISHED_ALONE: &str = "5 credits published alone, per credit";
 /// idem's consume records, where the bench counts a worker's progress.
 const IDEM_RECORDS: &str = "mq_consume_record";
@@ -435,19 +436,27 @@ impl Bench<'_> {
             if config.outbox && config.modes.contains(&Mode::Batch) {
                 let mut args = bench.batch_args();
                 args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
-                let run = Run {
-                    records: IDEM_RECORDS,
-                    floor: 0,
-                    outbox: true,
-                    removal: None,
-                };
-                let measured = bench.run_afresh(&bodies, &load, &args, run).await?;
-                eprintln!(
-                    "  {:<30} {:>9.0} msgs/s",
-                    label(BATCH_OUTBOX),
-                    measured.rate
-                );
-                report.push(BATCH_OUTBOX.to_owned(), measured);
+                let mut builds = vec![(BATCH_OUTBOX, &config.worker_binary)];
+                if let Some(baseline) = &config.baseline_binary {
+                    builds.push((BATCH_OUTBOX_BASELINE, baseline));
+                    if round % 2 == 0 {
+                        builds.reverse();
+                    }
+                }
+                for (key, binary) in builds {
+                    let run = Run {
+                        records: IDEM_RECORDS,
+                        floor: 0,
+                        outbox: true,
+                        removal: None,
+                    };
+                    bench.reset().await?;
+                    bench.publish(&bodies).await?;
+                    settle_down().await;
+                    let measured = bench.worker(binary, &args, &load, run).await?;
+                    eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
+                    report.push(key.to_owned(), measured);
+                }
                 let alone = bench.publish_alone(&load).await?;
                 eprintln!(
                     "  {:<30} {:>9.0} msgs/s",
@@ -1668,7 +1677,11 @@ impl fmt::Display for BenchReport {
                 .map(|runs| runs.iter().filter_map(|m| m.cpu_us_per_message).collect())
                 .unwrap_or_default()
         };
-        for (build, baseline) in [(PER_MESSAGE, PER_MESSAGE_BASELINE), (BATCH, BATCH_BASELINE)] {
+        for (build, baseline) in [
+            (PER_MESSAGE, PER_MESSAGE_BASELINE),
+            (BATCH, BATCH_BASELINE),
+            (BATCH_OUTBOX, BATCH_OUTBOX_BASELINE),
+        ] {
             if let (Some(throughput), Some(worker_cpu)) = (
                 ratio(&rates(build), &rates(baseline)),
                 ratio(&cpu(build), &cpu(baseline)),
