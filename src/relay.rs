@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use backon::BackoffBuilder;
 use deadpool_postgres::Pool;
-use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, PublisherConfirm};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio_util::sync::CancellationToken;
@@ -47,8 +47,9 @@ pub struct RelayConfig {
     pub patience: Duration,
     /// Return once nothing is due instead of waiting for more.
     pub until_empty: bool,
-    /// Batches in flight at once, each on a database connection and a
-    /// channel of its own (the pool needs as many connections).
+    /// Lanes that relay at once, each on a channel of its own, with up to
+    /// two batches in flight on two database connections (the pool needs
+    /// [`RelayConfig::connections`]).
     pub lanes: usize,
 }
 
@@ -63,6 +64,13 @@ impl RelayConfig {
     pub const DEFAULT_IDLE_WAIT: Duration = Duration::from_millis(200);
     /// The longest a refused message waits before it is tried again.
     pub const MAX_REFUSED_WAIT: Duration = Duration::from_secs(300);
+
+    /// The database connections the relay's pool needs: two per lane, one
+    /// holding a batch whose confirms are on their way while the other
+    /// takes and sends the next.
+    pub fn connections(&self) -> usize {
+        2 * self.lanes.max(1)
+    }
 
     /// A relay to `amqp`, trying to reach it for `patience` at start, with
     /// idem's defaults for the rest, running until stopped.
@@ -113,8 +121,6 @@ pub enum RelayError {
 
 /// How one batch ended.
 enum Batch {
-    /// Nothing was due.
-    Idle,
     /// Published, and removed or marked.
     Done,
     /// The broker closed the channel over a message it will not take (its
@@ -182,6 +188,11 @@ pub async fn run(
 /// One lane of a relay: a channel of its own, a batch after another, until
 /// shutdown, an empty outbox (with `until_empty`) or a lost connection
 /// (returned). A database that fails is waited for.
+///
+/// The next batch is taken and published while the last one's confirms are
+/// on their way (its rows, still locked, are skipped), so that the broker
+/// always has a batch to take; both go on the lane's one channel, in id
+/// order, and each is settled in its own transaction, the older first.
 async fn lane(
     pool: &Pool,
     connection: &lapin::Connection,
@@ -197,62 +208,147 @@ async fn lane(
     let mut counted: Option<tokio::time::Instant> = None;
     let database_waits = || crate::backoff::forever(Duration::from_secs(5)).build();
     let mut database_pause = database_waits();
+    let mut pending: Option<Sending> = None;
     loop {
         if shutdown.is_cancelled() {
+            if let Some(sending) = pending.take() {
+                // Its confirms come, or it goes again; either way it ends.
+                let _ = sending.settle(counters).await;
+            }
             // Closed before it is dropped: lapin closes a dropped channel
             // itself, later, and fails the connection if it is closing by
             // then.
             close_channel(channel.channel()).await;
             return None;
         }
-        match batch(pool, &channel, config, counters).await {
-            Ok(Batch::Done) => database_pause = database_waits(),
-            Ok(Batch::ChannelRefused) => match ConfirmChannel::open(connection).await {
-                Ok(fresh) => channel = fresh,
-                Err(error) => return Some(error),
-            },
-            Ok(Batch::Idle) => {
-                database_pause = database_waits();
-                if counted.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
-                    counted = Some(tokio::time::Instant::now());
-                    count_unsent(pool, counters).await;
-                }
-                if config.until_empty {
-                    close_channel(channel.channel()).await;
-                    return None;
-                }
-                tokio::select! {
-                    () = tokio::time::sleep(config.idle_wait) => {}
-                    () = shutdown.cancelled() => {}
+        let next = send(pool, &channel, config).await;
+        let mut outcomes = Vec::with_capacity(2);
+        if let Some(sending) = pending.take() {
+            outcomes.push(sending.settle(counters).await);
+        }
+        let idle = match next {
+            Ok(Some(sending)) => {
+                pending = Some(sending);
+                false
+            }
+            Ok(None) => true,
+            Err(error) => {
+                outcomes.push(Err(error));
+                false
+            }
+        };
+        // What the channel's end means for the batch sent after it: that
+        // one is settled too before the lane opens another or returns.
+        let mut reopen = false;
+        let mut lost = None;
+        let mut unreachable = None;
+        for outcome in outcomes {
+            match outcome {
+                Ok(Batch::Done) => database_pause = database_waits(),
+                Ok(Batch::ChannelRefused) => reopen = true,
+                Ok(Batch::Lost(error)) => lost = lost.or(Some(error)),
+                Err(error) => unreachable = unreachable.or(Some(error)),
+            }
+        }
+        if reopen || lost.is_some() {
+            if let Some(sending) = pending.take() {
+                match sending.settle(counters).await {
+                    Ok(Batch::Lost(error)) => lost = lost.or(Some(error)),
+                    Err(error) => unreachable = unreachable.or(Some(error)),
+                    Ok(_) => {}
                 }
             }
-            Ok(Batch::Lost(error)) => return Some(error),
-            Err(error) => {
-                let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
-                warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
-                tokio::select! {
-                    () = tokio::time::sleep(wait) => {}
-                    () = shutdown.cancelled() => {}
-                }
+            if let Some(error) = lost {
+                return Some(error);
+            }
+            match ConfirmChannel::open(connection).await {
+                Ok(fresh) => channel = fresh,
+                Err(error) => return Some(error),
+            }
+        }
+        if let Some(error) = unreachable {
+            let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
+            warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = shutdown.cancelled() => {}
+            }
+        } else if idle && pending.is_none() {
+            database_pause = database_waits();
+            if counted.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                counted = Some(tokio::time::Instant::now());
+                count_unsent(pool, counters).await;
+            }
+            if config.until_empty {
+                close_channel(channel.channel()).await;
+                return None;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(config.idle_wait) => {}
+                () = shutdown.cancelled() => {}
             }
         }
     }
 }
 
-/// One transaction: take what is due, publish it, remove what was
-/// confirmed and mark what was refused.
-async fn batch(
+/// A batch published, its confirms on their way, its rows locked by the
+/// transaction its connection holds open.
+struct Sending {
+    transaction: Open,
+    due: Vec<Unsent>,
+    confirms: Vec<PublisherConfirm>,
+    /// Why a send failed (the channel is gone), if one did.
+    unsendable: Option<lapin::Error>,
+}
+
+/// A pooled connection inside a transaction. Dropped before it commits, it
+/// is taken out of the pool rather than returned to it: its connection
+/// closes, the server rolls the transaction back, and no other user of the
+/// pool finds it open.
+struct Open(Option<deadpool_postgres::Object>);
+
+impl Open {
+    async fn begin(pool: &Pool) -> Result<Self, StoreError> {
+        let client = pool.get().await?;
+        client.batch_execute("BEGIN").await?;
+        Ok(Self(Some(client)))
+    }
+
+    fn client(&self) -> &deadpool_postgres::Object {
+        match &self.0 {
+            Some(client) => client,
+            None => unreachable!("only a commit or a drop ends a transaction"),
+        }
+    }
+
+    /// Commits; the connection goes back to the pool.
+    async fn commit(mut self) -> Result<(), tokio_postgres::Error> {
+        self.client().batch_execute("COMMIT").await?;
+        self.0 = None;
+        Ok(())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop(deadpool_postgres::Object::take(client));
+        }
+    }
+}
+
+/// Opens a transaction, takes what is due, and publishes it; `None` when
+/// nothing is due.
+async fn send(
     pool: &Pool,
     channel: &ConfirmChannel,
     config: &RelayConfig,
-    counters: &RelayCounters,
-) -> Result<Batch, StoreError> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    let due = outbox::take(&tx, config.batch_size).await?;
+) -> Result<Option<Sending>, StoreError> {
+    let transaction = Open::begin(pool).await?;
+    let due = outbox::take(transaction.client(), config.batch_size).await?;
     if due.is_empty() {
-        tx.commit().await?;
-        return Ok(Batch::Idle);
+        transaction.commit().await?;
+        return Ok(None);
     }
     // All sent at once, before any confirm is awaited: one round trip per
     // batch, in a few writes. A send that fails ends the sending: the
@@ -269,67 +365,87 @@ async fn batch(
             }
         }
     }
-    let mut sent = Vec::with_capacity(due.len());
-    let (mut refused, mut reasons, mut waits) = (Vec::new(), Vec::new(), Vec::new());
-    // Why the broker closed the channel, when it did so over a message it
-    // will not take (`NOT_FOUND - no exchange 'x'`): every message of the
-    // batch not confirmed by then fails with it, but only those to the
-    // exchange it names are to blame; the others go again.
-    let mut closed_over = unsendable.as_ref().and_then(crate::broker::refusal);
-    for (message, confirm) in due.iter().zip(confirms) {
-        let refusal = match settle(confirm).await {
-            Ok(Ok(())) => {
-                sent.push(message.id);
-                continue;
-            }
-            Ok(Err(refusal)) => refusal.to_string(),
-            Err(error) => match crate::broker::refusal(&error) {
-                Some(reason) => {
-                    let blamed = reason.contains(&format!("'{}'", message.exchange));
-                    closed_over = Some(reason.clone());
-                    if !blamed {
-                        continue;
-                    }
-                    reason
+    Ok(Some(Sending {
+        transaction,
+        due,
+        confirms,
+        unsendable,
+    }))
+}
+
+impl Sending {
+    /// Waits for the batch's confirms, removes what was confirmed, marks
+    /// what was refused, and commits.
+    async fn settle(self, counters: &RelayCounters) -> Result<Batch, StoreError> {
+        let Sending {
+            transaction,
+            due,
+            confirms,
+            unsendable,
+        } = self;
+        let mut sent = Vec::with_capacity(due.len());
+        let (mut refused, mut reasons, mut waits) = (Vec::new(), Vec::new(), Vec::new());
+        // Why the broker closed the channel, when it did so over a message it
+        // will not take (`NOT_FOUND - no exchange 'x'`): every message of the
+        // batch not confirmed by then fails with it, but only those to the
+        // exchange it names are to blame; the others go again.
+        let mut closed_over = unsendable.as_ref().and_then(crate::broker::refusal);
+        for (message, confirm) in due.iter().zip(confirms) {
+            let refusal = match settle(confirm).await {
+                Ok(Ok(())) => {
+                    sent.push(message.id);
+                    continue;
                 }
-                // Dropping the transaction rolls it back: all of it goes again.
-                None => return Ok(Batch::Lost(error)),
-            },
+                Ok(Err(refusal)) => refusal.to_string(),
+                Err(error) => match crate::broker::refusal(&error) {
+                    Some(reason) => {
+                        let blamed = reason.contains(&format!("'{}'", message.exchange));
+                        closed_over = Some(reason.clone());
+                        if !blamed {
+                            continue;
+                        }
+                        reason
+                    }
+                    // Dropped, its transaction rolls back: all of it goes
+                    // again.
+                    None => return Ok(Batch::Lost(error)),
+                },
+            };
+            let wait = refused_wait(message.attempts);
+            warn!(
+                message_id = %message.message_id,
+                exchange = %message.exchange,
+                routing_key = %message.routing_key,
+                attempts = message.attempts + 1,
+                %refusal,
+                "the broker refused an outgoing message: it stays in the outbox, tried again in {}s",
+                wait.as_secs()
+            );
+            refused.push(message.id);
+            reasons.push(refusal);
+            waits.push(wait);
+        }
+        // A channel that closed for another reason: what it confirmed is
+        // sent, the rest goes again.
+        let lost = match (&closed_over, unsendable) {
+            (None, Some(error)) => Some(error),
+            _ => None,
         };
-        let wait = refused_wait(message.attempts);
-        warn!(
-            message_id = %message.message_id,
-            exchange = %message.exchange,
-            routing_key = %message.routing_key,
-            attempts = message.attempts + 1,
-            %refusal,
-            "the broker refused an outgoing message: it stays in the outbox, tried again in {}s",
-            wait.as_secs()
-        );
-        refused.push(message.id);
-        reasons.push(refusal);
-        waits.push(wait);
+        outbox::remove_sent(transaction.client(), &sent).await?;
+        if !refused.is_empty() {
+            outbox::mark_refused(transaction.client(), &refused, &reasons, &waits).await?;
+        }
+        // Failing here, the batch was published but not removed: it goes
+        // again, under the same message ids.
+        transaction.commit().await?;
+        counters.sent.inc_by(sent.len() as u64);
+        counters.refused.inc_by(refused.len() as u64);
+        Ok(match lost {
+            Some(error) => Batch::Lost(error),
+            None if closed_over.is_some() => Batch::ChannelRefused,
+            None => Batch::Done,
+        })
     }
-    // A channel that closed for another reason: what it confirmed is sent,
-    // the rest goes again.
-    let lost = match (&closed_over, unsendable) {
-        (None, Some(error)) => Some(error),
-        _ => None,
-    };
-    outbox::remove_sent(&tx, &sent).await?;
-    if !refused.is_empty() {
-        outbox::mark_refused(&tx, &refused, &reasons, &waits).await?;
-    }
-    // Failing here, the batch was published but not removed: it goes again,
-    // under the same message ids.
-    tx.commit().await?;
-    counters.sent.inc_by(sent.len() as u64);
-    counters.refused.inc_by(refused.len() as u64);
-    Ok(match lost {
-        Some(error) => Batch::Lost(error),
-        None if closed_over.is_some() => Batch::ChannelRefused,
-        None => Batch::Done,
-    })
 }
 
 /// Sets the unsent gauge; a database that does not answer leaves it as it was.

@@ -432,7 +432,7 @@ pub(crate) struct RelayArgs {
 }
 
 impl RelayArgs {
-    /// The relay's settings, and its database (a connection per lane).
+    /// The relay's settings, and its database (two connections per lane).
     pub(crate) fn config(&self) -> (RelayConfig, DatabaseConfig) {
         let relay = RelayConfig {
             batch_size: self.batch_size,
@@ -440,7 +440,7 @@ impl RelayArgs {
             lanes: self.lanes,
             ..RelayConfig::new(self.amqp.config(), self.wait.startup_timeout.0)
         };
-        let database = self.database.config(relay.lanes);
+        let database = self.database.config(relay.connections());
         (relay, database)
     }
 }

@@ -537,15 +537,15 @@ struct RelayTask {
     task: tokio::task::JoinHandle<Result<crate::relay::RelayReport, crate::relay::RelayError>>,
 }
 
-/// Starts a relay on a pool of its own (a connection per lane: each holds
-/// one transaction at a time), until its `stop` fires.
+/// Starts a relay on a pool of its own (as many connections as its lanes
+/// hold transactions), until its `stop` fires.
 fn start_relay(
     config: &WorkerConfig,
     counters: crate::relay::RelayCounters,
 ) -> Result<RelayTask, WorkerError> {
     let relay = crate::relay::RelayConfig::new(config.amqp.clone(), config.startup_timeout);
     let pool = DatabaseConfig {
-        pool_size: relay.lanes,
+        pool_size: relay.connections(),
         ..config.database.clone()
     }
     .pool()?;
