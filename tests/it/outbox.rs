@@ -792,3 +792,81 @@ async fn a_relay_with_one_lane_sends_a_destination_s_messages_in_the_outbox_s_or
     );
     Ok(())
 }
+
+/// A relay whose statement fails inside its transaction (here a lock it
+/// waits for too long) starts again on a fresh connection: the failed one
+/// is closed, not handed back to the pool with its transaction still open
+/// and aborted, where every later statement would fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_statement_fails_mid_transaction_goes_on_once_the_database_lets_it()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let queue = credited_queue(&env).await?;
+    const MESSAGES: i64 = 200;
+    let client = env.pool.get().await?;
+    client
+        .execute(
+            "INSERT INTO mq_outbox (message_id, exchange, routing_key, body) \
+             SELECT gen_random_uuid(), $1, $2, convert_to(n::text, 'UTF8') \
+             FROM generate_series(1, $3::bigint) AS n",
+            &[&env.topology.exchange, &CREDITED_ROUTING_KEY, &MESSAGES],
+        )
+        .await?;
+    let mut locker = env.pool.get().await?;
+    let lock = locker.transaction().await?;
+    lock.batch_execute("LOCK TABLE mq_outbox IN ACCESS EXCLUSIVE MODE")
+        .await?;
+
+    let relay = idem::relay::RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)));
+    let pool = idem::store::DatabaseConfig {
+        pool_size: relay.connections(),
+        lock_timeout: Duration::from_millis(200),
+        ..env.database.clone()
+    }
+    .pool()?;
+    let counters = idem::relay::RelayCounters::default();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let relaying = {
+        let (relay, counters, stop) = (relay.clone(), counters.clone(), stop.clone());
+        tokio::spawn(async move { idem::relay::run(&pool, &relay, &counters, &stop).await })
+    };
+    // The relay's sessions that wait for the lock: a second one means the
+    // first gave up (its lock timeout) and the relay tried again on a
+    // connection of its own.
+    let waiting = || async {
+        let pids: Vec<i32> = client
+            .query(
+                "SELECT pid FROM pg_locks WHERE NOT granted AND relation = 'mq_outbox'::regclass",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        anyhow::Ok(pids)
+    };
+    wait_for(
+        "the relay to wait for the lock",
+        Duration::from_secs(30),
+        || async { Ok(!waiting().await?.is_empty()) },
+    )
+    .await?;
+    let first = waiting().await?.first().copied();
+    wait_for(
+        "the relay to wait again, on another connection",
+        Duration::from_secs(30),
+        || async { Ok(waiting().await?.iter().any(|pid| Some(*pid) != first)) },
+    )
+    .await?;
+    lock.rollback().await?;
+
+    wait_for("every message sent", Duration::from_secs(30), || async {
+        Ok(counters.sent.get() == MESSAGES as u64)
+    })
+    .await?;
+    stop.cancel();
+    relaying.await??;
+    assert_eq!(outbox_rows(&env).await?, 0);
+    assert_eq!(env.peek(&queue).await?.len(), MESSAGES as usize);
+    Ok(())
+}
