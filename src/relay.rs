@@ -222,9 +222,9 @@ async fn lane(
             return None;
         }
         let next = send(pool, &channel, config).await;
-        let mut outcomes = Vec::with_capacity(2);
+        let mut turn = Turn::default();
         if let Some(sending) = pending.take() {
-            outcomes.push(sending.settle(counters).await);
+            turn.record(sending.settle(counters).await);
         }
         let idle = match next {
             Ok(Some(sending)) => {
@@ -233,32 +233,17 @@ async fn lane(
             }
             Ok(None) => true,
             Err(error) => {
-                outcomes.push(Err(error));
+                turn.record(Err(error));
                 false
             }
         };
-        // What the channel's end means for the batch sent after it: that
-        // one is settled too before the lane opens another or returns.
-        let mut reopen = false;
-        let mut lost = None;
-        let mut unreachable = None;
-        for outcome in outcomes {
-            match outcome {
-                Ok(Batch::Done) => database_pause = database_waits(),
-                Ok(Batch::ChannelRefused) => reopen = true,
-                Ok(Batch::Lost(error)) => lost = lost.or(Some(error)),
-                Err(error) => unreachable = unreachable.or(Some(error)),
-            }
-        }
-        if reopen || lost.is_some() {
+        if turn.reopen || turn.lost.is_some() {
+            // The batch sent after it on the same channel ends with it,
+            // before the lane opens another channel or returns.
             if let Some(sending) = pending.take() {
-                match sending.settle(counters).await {
-                    Ok(Batch::Lost(error)) => lost = lost.or(Some(error)),
-                    Err(error) => unreachable = unreachable.or(Some(error)),
-                    Ok(_) => {}
-                }
+                turn.record(sending.settle(counters).await);
             }
-            if let Some(error) = lost {
+            if let Some(error) = turn.lost {
                 return Some(error);
             }
             match ConfirmChannel::open(connection).await {
@@ -266,7 +251,10 @@ async fn lane(
                 Err(error) => return Some(error),
             }
         }
-        if let Some(error) = unreachable {
+        if turn.done {
+            database_pause = database_waits();
+        }
+        if let Some(error) = turn.unreachable {
             let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
             warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
             tokio::select! {
@@ -286,6 +274,34 @@ async fn lane(
             tokio::select! {
                 () = tokio::time::sleep(config.idle_wait) => {}
                 () = shutdown.cancelled() => {}
+            }
+        }
+    }
+}
+
+/// What the batches a lane settled in one turn call for.
+#[derive(Default)]
+struct Turn {
+    /// One was published, and removed or marked.
+    done: bool,
+    /// The broker closed the channel over a message it will not take.
+    reopen: bool,
+    /// The broker connection failed.
+    lost: Option<lapin::Error>,
+    /// The database failed.
+    unreachable: Option<StoreError>,
+}
+
+impl Turn {
+    fn record(&mut self, outcome: Result<Batch, StoreError>) {
+        match outcome {
+            Ok(Batch::Done) => self.done = true,
+            Ok(Batch::ChannelRefused) => self.reopen = true,
+            Ok(Batch::Lost(error)) => {
+                self.lost.get_or_insert(error);
+            }
+            Err(error) => {
+                self.unreachable.get_or_insert(error);
             }
         }
     }

@@ -419,8 +419,9 @@ pub(crate) struct RelayArgs {
     /// Most messages published per transaction.
     #[arg(long, default_value_t = RelayConfig::DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(i64).range(1..=10_000))]
     pub(crate) batch_size: i64,
-    /// Batches in flight at once, each on a connection of its own; with more
-    /// than one, a destination's messages may go out of id order.
+    /// Lanes relaying at once, each on a channel and two connections of its
+    /// own; with more than one, a destination's messages may go out of id
+    /// order.
     #[arg(long, default_value_t = RelayConfig::DEFAULT_LANES, value_parser = clap::value_parser!(u32).range(1..=64).map(|n| n as usize))]
     pub(crate) lanes: usize,
     #[command(flatten)]

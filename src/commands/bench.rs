@@ -218,6 +218,24 @@ fn label(key: &str) -> &str {
     key.split_once(' ').map_or(key, |(_, name)| name)
 }
 
+/// This build's worker under `keys[0]` and, when there is one, the
+/// baseline's under `keys[1]`, the baseline first every other round: what
+/// runs second may find the servers warmer, or tired.
+fn builds<'c>(
+    config: &'c BenchConfig,
+    keys: [&'static str; 2],
+    round: usize,
+) -> Vec<(&'static str, &'c std::path::Path)> {
+    let mut builds = vec![(keys[0], config.worker_binary.as_path())];
+    if let Some(baseline) = &config.baseline_binary {
+        builds.push((keys[1], baseline.as_path()));
+        if round.is_multiple_of(2) {
+            builds.reverse();
+        }
+    }
+    builds
+}
+
 /// The key of `mode` run over `prefill` records.
 fn over(mode: &str, prefill: u64) -> String {
     match prefill {
@@ -380,16 +398,7 @@ impl Bench<'_> {
                 if !config.modes.contains(&wanted) {
                     continue;
                 }
-                let mut builds = vec![(keys[0], &config.worker_binary)];
-                if let Some(baseline) = &config.baseline_binary {
-                    builds.push((keys[1], baseline));
-                    // Every other round the baseline goes first: what runs
-                    // second may find the servers warmer, or tired.
-                    if round % 2 == 0 {
-                        builds.reverse();
-                    }
-                }
-                for (key, binary) in builds {
+                for (key, binary) in builds(config, keys, round) {
                     for &prefill in &config.prefill {
                         let removals = if config.prune_during && prefill > 0 {
                             &[false, true][..]
@@ -428,7 +437,9 @@ impl Bench<'_> {
                         outbox: false,
                         removal: None,
                     };
-                    let measured = bench.run_afresh(&bodies, &load, &args, run).await?;
+                    let measured = bench
+                        .run_afresh(&config.worker_binary, &bodies, &load, &args, run)
+                        .await?;
                     eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
                     report.push(key.to_owned(), measured);
                 }
@@ -436,24 +447,14 @@ impl Bench<'_> {
             if config.outbox && config.modes.contains(&Mode::Batch) {
                 let mut args = bench.batch_args();
                 args.extend(["--credits-exchange".into(), bench.topology.exchange.clone()]);
-                let mut builds = vec![(BATCH_OUTBOX, &config.worker_binary)];
-                if let Some(baseline) = &config.baseline_binary {
-                    builds.push((BATCH_OUTBOX_BASELINE, baseline));
-                    if round % 2 == 0 {
-                        builds.reverse();
-                    }
-                }
-                for (key, binary) in builds {
+                for (key, binary) in builds(config, [BATCH_OUTBOX, BATCH_OUTBOX_BASELINE], round) {
                     let run = Run {
                         records: IDEM_RECORDS,
                         floor: 0,
                         outbox: true,
                         removal: None,
                     };
-                    bench.reset().await?;
-                    bench.publish(&bodies).await?;
-                    settle_down().await;
-                    let measured = bench.worker(binary, &args, &load, run).await?;
+                    let measured = bench.run_afresh(binary, &bodies, &load, &args, run).await?;
                     eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
                     report.push(key.to_owned(), measured);
                 }
@@ -789,10 +790,11 @@ impl<'a> Bench<'a> {
         args
     }
 
-    /// `args` run by this build as [`Bench::worker`] does, on an empty
+    /// `args` run by `binary` as [`Bench::worker`] does, on an empty
     /// schema and topology with the load published anew.
     async fn run_afresh(
         &self,
+        binary: &std::path::Path,
         bodies: &[Vec<u8>],
         load: &[PaymentSucceeded],
         args: &[String],
@@ -801,8 +803,7 @@ impl<'a> Bench<'a> {
         self.reset().await?;
         self.publish(bodies).await?;
         settle_down().await;
-        self.worker(&self.config.worker_binary, args, load, run)
-            .await
+        self.worker(binary, args, load, run).await
     }
 
     /// A contender with the settings of the mode it stands beside.

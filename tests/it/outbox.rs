@@ -735,23 +735,33 @@ async fn what_apply_sends_depends_on_what_it_found_and_is_sent_once_under_the_ev
     Ok(())
 }
 
+/// Writes `count` messages to the test's exchange, routed as credits, into
+/// the outbox in one statement, so that their ids rise with their bodies
+/// ("1", "2", …).
+async fn write_outbox(env: &TestEnv, count: i64) -> anyhow::Result<()> {
+    env.pool
+        .get()
+        .await?
+        .execute(
+            "INSERT INTO mq_outbox (message_id, exchange, routing_key, body) \
+             SELECT gen_random_uuid(), $1, $2, convert_to(n::text, 'UTF8') \
+             FROM generate_series(1, $3::bigint) AS n ORDER BY n",
+            &[&env.topology.exchange, &CREDITED_ROUTING_KEY, &count],
+        )
+        .await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_with_one_lane_sends_a_destination_s_messages_in_the_outbox_s_order()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let queue = credited_queue(&env).await?;
-    // Written in one statement, so their ids rise with n; more than a batch
-    // holds, so that the order must hold within batches and across them.
+    // More than a batch holds, so that the order must hold within batches
+    // and across them.
     const MESSAGES: i64 = 2500;
+    write_outbox(&env, MESSAGES).await?;
     let client = env.pool.get().await?;
-    client
-        .execute(
-            "INSERT INTO mq_outbox (message_id, exchange, routing_key, body) \
-             SELECT gen_random_uuid(), $1, $2, convert_to(n::text, 'UTF8') \
-             FROM generate_series(1, $3::bigint) AS n ORDER BY n",
-            &[&env.topology.exchange, &CREDITED_ROUTING_KEY, &MESSAGES],
-        )
-        .await?;
     let in_id_order: Vec<String> = client
         .query(
             "SELECT convert_from(body, 'UTF8') FROM mq_outbox ORDER BY id",
@@ -803,15 +813,8 @@ async fn a_relay_whose_statement_fails_mid_transaction_goes_on_once_the_database
     let env = TestEnv::new().await?;
     let queue = credited_queue(&env).await?;
     const MESSAGES: i64 = 200;
+    write_outbox(&env, MESSAGES).await?;
     let client = env.pool.get().await?;
-    client
-        .execute(
-            "INSERT INTO mq_outbox (message_id, exchange, routing_key, body) \
-             SELECT gen_random_uuid(), $1, $2, convert_to(n::text, 'UTF8') \
-             FROM generate_series(1, $3::bigint) AS n",
-            &[&env.topology.exchange, &CREDITED_ROUTING_KEY, &MESSAGES],
-        )
-        .await?;
     let mut locker = env.pool.get().await?;
     let lock = locker.transaction().await?;
     lock.batch_execute("LOCK TABLE mq_outbox IN ACCESS EXCLUSIVE MODE")
