@@ -136,6 +136,7 @@
 pub mod backoff;
 pub mod broker;
 mod caught;
+pub mod check;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod commands;
@@ -145,12 +146,16 @@ pub mod duration;
 pub mod generate;
 pub mod handler;
 pub mod points;
+#[doc(hidden)]
+pub mod probe;
 pub mod progress;
 pub mod relay;
 pub mod secret;
 pub mod store;
 pub mod telemetry;
 pub mod tls;
+#[doc(hidden)]
+pub mod trial;
 pub mod vars;
 pub mod worker;
 

@@ -30,6 +30,8 @@ pub struct AmqpConfig {
     /// Which URL the next connection tries first, shared by the clones of
     /// this configuration: the one after the last that answered.
     next: Arc<AtomicUsize>,
+    /// Where to connect instead of the URL's host and port (a check's proxy).
+    through: Option<std::net::SocketAddr>,
 }
 
 /// How long one node may take to accept a connection before the next is
@@ -44,7 +46,37 @@ impl AmqpConfig {
             url,
             ca_file: None,
             next: Arc::default(),
+            through: None,
         }
+    }
+
+    /// The same broker, reached through `address` (a proxy) whatever the
+    /// URL says: for `amqp://` URLs only, as TLS would check the proxy's
+    /// address against the broker's certificate.
+    pub(crate) fn through(&self, address: std::net::SocketAddr) -> Self {
+        Self {
+            through: Some(address),
+            next: Arc::default(),
+            ..self.clone()
+        }
+    }
+
+    /// The address of the first node, for a proxy in front of it; an error
+    /// says why there can be none.
+    pub(crate) async fn address(&self) -> Result<std::net::SocketAddr, String> {
+        let uri = self.parse_node(0)?;
+        if uri.scheme == AMQPScheme::AMQPS {
+            return Err(
+                "amqps:// URLs cannot be reached through a proxy: give an amqp:// URL".into(),
+            );
+        }
+        let host = uri.authority.host;
+        let unresolved = || format!("its host {host} does not resolve");
+        tokio::net::lookup_host((host.as_str(), uri.authority.port))
+            .await
+            .map_err(|_| unresolved())?
+            .next()
+            .ok_or_else(unresolved)
     }
 
     /// The same broker, its certificate also verified against the CA
@@ -236,10 +268,14 @@ pub async fn connect(config: &AmqpConfig, name: &str) -> Result<Connection, Conn
 /// Opens a connection to one node, `url` as logs name it.
 async fn connect_node(
     config: &AmqpConfig,
-    uri: AMQPUri,
+    mut uri: AMQPUri,
     url: &str,
     name: &str,
 ) -> Result<Connection, ConnectError> {
+    if let Some(address) = config.through {
+        uri.authority.host = address.ip().to_string();
+        uri.authority.port = address.port();
+    }
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     let unusable = |reason: String| ConnectError::Settings {
         url: url.to_owned(),

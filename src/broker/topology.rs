@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind};
 use serde_json::{Value, json};
@@ -433,6 +436,23 @@ impl Topology {
             object,
             broker: "the broker kept finding other differences".into(),
         })
+    }
+
+    /// Deletes every queue of this topology, whatever it holds, then its
+    /// exchanges: for the objects a demo, a benchmark or a check made for
+    /// itself. What does not exist is no error.
+    pub async fn delete(&self, channel: &Channel) -> lapin::Result<()> {
+        for queue in self.queues() {
+            channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await?;
+        }
+        for exchange in self.exchanges() {
+            channel
+                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+                .await?;
+        }
+        Ok(())
     }
 
     /// (queue, exchange, routing key) of each binding.

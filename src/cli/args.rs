@@ -13,6 +13,7 @@ use clap::{Args, Subcommand};
 use tracing::warn;
 
 use crate::broker::{AmqpConfig, Topology};
+use crate::check::CheckConfig;
 use crate::commands::prune::PruneSettings;
 use crate::commands::reconcile::ReconcileConfig;
 use crate::commands::status::StatusConfig;
@@ -43,10 +44,10 @@ pub struct AmqpArgs {
     pub(crate) amqp_ca_file: Option<PathBuf>,
 }
 
-/// Where PostgreSQL is, and how idem's sessions behave.
+/// Where PostgreSQL is.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "PostgreSQL")]
-pub struct DatabaseArgs {
+pub struct ServerArgs {
     /// PostgreSQL URL or key/value connection string.
     #[arg(
         long,
@@ -59,6 +60,14 @@ pub struct DatabaseArgs {
     /// server's certificate must chain to; default: the system's.
     #[arg(long, env = vars::DATABASE_CA_FILE)]
     pub(crate) database_ca_file: Option<PathBuf>,
+}
+
+/// Where PostgreSQL is, and how idem's sessions behave.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "PostgreSQL")]
+pub struct DatabaseArgs {
+    #[command(flatten)]
+    pub(crate) server: ServerArgs,
     /// Schema for idem's tables (created by `migrate`); default: the server's search_path.
     #[arg(long, env = vars::SCHEMA)]
     pub(crate) schema: Option<String>,
@@ -284,6 +293,90 @@ pub(crate) struct WorkerArgs<F: Args> {
     pub(crate) group: GroupArgs,
     #[command(flatten)]
     pub(crate) wait: WaitArgs,
+}
+
+/// `check`.
+#[derive(Debug, Args)]
+pub(crate) struct CheckArgs {
+    /// The events: message bodies, one per line (JSON lines), or the file
+    /// `dlq discard --to` writes, so that an incident's letters become a test.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) events: PathBuf,
+    /// SQL run after the migrations in every schema the check makes (seed rows, say).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) setup: Option<PathBuf>,
+    /// A query that must return no row after every run (`SELECT id FROM
+    /// accounts WHERE balance < 0`); give it once per invariant.
+    #[arg(long = "invariant", value_name = "SQL")]
+    pub(crate) invariants: Vec<String>,
+    /// A query of an event id ($1) that counts how many times its effect is
+    /// there (`SELECT count(*) FROM transfer_log WHERE event_id = $1`): once
+    /// for every event idem applied, never for one it did not.
+    #[arg(long, value_name = "SQL")]
+    pub(crate) witness: Option<String>,
+    /// A column left out of the comparisons (a timestamp the team knows to
+    /// differ); give it once per column.
+    #[arg(long = "ignore-column", value_name = "TABLE.COLUMN")]
+    pub(crate) ignore_columns: Vec<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+    /// Copies of every message in the runs that send copies at once.
+    #[arg(long, default_value_t = CheckConfig::DEFAULT_COPIES, value_parser = clap::value_parser!(u32).range(2..=20).map(|n| n as usize))]
+    pub(crate) copies: usize,
+    /// Deliveries per batch, in batch mode and in batch equivalence.
+    #[arg(long, default_value_t = CheckConfig::DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u32).range(2..=8191).map(|n| n as usize))]
+    pub(crate) batch_size: usize,
+    /// Genuine failures after which a message is dead-lettered (the check
+    /// retries at once).
+    #[arg(
+        long,
+        default_value_t = CheckConfig::DEFAULT_MAX_ATTEMPTS,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
+    )]
+    pub(crate) max_attempts: u32,
+    /// Seed of the orders the runs draw.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) seed: u64,
+    /// How long one run may take before it is reported as unfinished.
+    #[arg(long, default_value_t = Wait(CheckConfig::DEFAULT_PATIENCE))]
+    pub(crate) patience: Wait,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: ServerArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+}
+
+impl CheckArgs {
+    /// Settings of `check`: the files read, the flags checked.
+    pub(crate) fn config(&self) -> Result<CheckConfig, SettingError> {
+        let events = crate::check::read_events(&self.events)
+            .map_err(|error| SettingError::new(format!("--events: {error}")))?;
+        let setup = match &self.setup {
+            Some(path) => Some(std::fs::read_to_string(path).map_err(|error| {
+                SettingError::new(format!("--setup: cannot read {}: {error}", path.display()))
+            })?),
+            None => None,
+        };
+        let mut config = CheckConfig::new(
+            self.amqp.config(),
+            self.database.config(2),
+            self.group.consumer_group()?,
+            events,
+        );
+        config.setup = setup;
+        config.invariants.clone_from(&self.invariants);
+        config.witness.clone_from(&self.witness);
+        config.ignore_columns.clone_from(&self.ignore_columns);
+        config.copies = self.copies;
+        config.batch_size = self.batch_size;
+        config.max_attempts = self.max_attempts;
+        config.seed = self.seed;
+        config.patience = self.patience.0;
+        Ok(config)
+    }
 }
 
 /// `reconcile`.
@@ -717,16 +810,25 @@ impl AmqpArgs {
     }
 }
 
+impl ServerArgs {
+    /// The database, with a pool of `pool_size` and idem's defaults.
+    pub fn config(&self, pool_size: usize) -> DatabaseConfig {
+        DatabaseConfig {
+            pool_size,
+            ca_file: self.database_ca_file.clone(),
+            ..DatabaseConfig::new(SecretUrl::new(self.database_url.clone()))
+        }
+    }
+}
+
 impl DatabaseArgs {
     /// The database, with a pool of `pool_size`.
     pub fn config(&self, pool_size: usize) -> DatabaseConfig {
         DatabaseConfig {
             schema: self.schema.clone(),
-            pool_size,
-            ca_file: self.database_ca_file.clone(),
             lock_timeout: self.lock_timeout.0,
             statement_timeout: self.statement_timeout.0,
-            ..DatabaseConfig::new(SecretUrl::new(self.database_url.clone()))
+            ..self.server.config(pool_size)
         }
     }
 }

@@ -47,9 +47,12 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-pub use args::{AmqpArgs, DatabaseArgs, Delays, RouteArgs, SettingError, Wait, WaitArgs, choice};
+pub use args::{
+    AmqpArgs, DatabaseArgs, Delays, RouteArgs, ServerArgs, SettingError, Wait, WaitArgs, choice,
+};
 
 use crate::broker::Topology;
+use crate::check;
 use crate::commands::{prune, reconcile, status};
 use crate::dlq::{self, Printed};
 use crate::handler::Handler;
@@ -60,13 +63,19 @@ use crate::telemetry::{self, LogFormat};
 use crate::vars;
 use crate::worker::{Worker, WorkerConfig, WorkerError};
 use args::{
-    DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs, WorkerArgs,
+    CheckArgs, DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs,
+    WorkerArgs,
 };
 
 /// The log filter unless `RUST_LOG` says otherwise: lapin logs from its own
 /// task what it also returns to idem, and idem logs each error once, where
 /// it is handled.
 pub const DEFAULT_LOG_FILTER: &str = "info,lapin=off,tokio_postgres=warn";
+
+/// The log filter of `check` unless `RUST_LOG` says otherwise: the faults
+/// it injects make its workers say what they would say in production.
+const CHECK_LOG_FILTER: &str =
+    "error,idem::worker=off,idem::store=off,lapin=off,tokio_postgres=off";
 
 /// Runs the command line of a binary of `handler`, with every idem command:
 /// its queue and consumer group named after the handler, its exchange and
@@ -202,6 +211,11 @@ enum Command<X: Subcommand, F: Args> {
     /// time), and the ledger and outbox rows older than it, keeping what a
     /// dead letter may still need.
     Prune(PruneArgs),
+    /// Prove the handler under idem's faults: its events through the real
+    /// worker (copies at once, workers killed, connections cut, replays,
+    /// other orders) against the events applied one at a time; exits 1
+    /// unless every run matches.
+    Check(Box<CheckArgs>),
     #[command(flatten)]
     Own(X),
 }
@@ -355,6 +369,8 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         let format = cli.log_format;
         let filter = match &cli.command {
             Command::Own(own) => own.log_filter(),
+            // The report is the output; its workers' lines are noise.
+            Command::Check(_) => CHECK_LOG_FILTER,
             _ => DEFAULT_LOG_FILTER,
         };
         let name = self.name.clone();
@@ -509,10 +525,39 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 let status = status::run(&args.config()?, &handler, &shutdown).await?;
                 println!("{status}");
             }
+            Command::Check(args) => return prove(&args, handler, &shutdown).await,
             Command::Own(own) => return own.run(&handler, shutdown).await,
         }
         Ok(ExitCode::SUCCESS)
     }
+}
+
+/// `check`: the report, as text or JSON; exit code 1 unless every run
+/// matched.
+async fn prove<H: Handler>(
+    args: &CheckArgs,
+    handler: H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ExitCode> {
+    let config = args.config()?;
+    // The binary has one handler value: the check's workers share it.
+    let handler = Arc::new(handler);
+    let report = match check::run_until(&config, move || Arc::clone(&handler), shutdown).await {
+        Ok(report) => report,
+        Err(check::CheckError::Usage(why)) => return Err(SettingError::new(why).into()),
+        Err(check::CheckError::Interrupted) => return Ok(ExitCode::from(130)),
+        Err(error) => return Err(anyhow::Error::new(error).context("check")),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{report}");
+    }
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 /// `relay`: publishes the outbox until shutdown, or until it is empty.

@@ -19,8 +19,8 @@ use anyhow::{Context, bail, ensure};
 use deadpool_postgres::Pool;
 use futures::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions, QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
@@ -618,20 +618,13 @@ impl<'a> Bench<'a> {
             .await?;
         let connection = connect(&config.amqp, "idem bench").await?;
         let channel = connection.create_channel().await?;
-        for queue in topology
-            .queues()
-            .into_iter()
-            .chain([credited_queue(topology)])
-        {
-            channel
-                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-                .await?;
-        }
-        for exchange in topology.exchanges() {
-            channel
-                .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-                .await?;
-        }
+        topology.delete(&channel).await?;
+        channel
+            .queue_delete(
+                credited_queue(topology).as_str().into(),
+                QueueDeleteOptions::default(),
+            )
+            .await?;
         channel.close(200, "OK".into()).await?;
         connection.close(200, "OK".into()).await?;
         Ok(())

@@ -321,18 +321,10 @@ async fn delete_topology(
     topology: &Topology,
 ) -> anyhow::Result<()> {
     let channel = connection.create_channel().await?;
-    for queue in topology.queues() {
-        channel
-            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .with_context(|| format!("cannot delete the demo queue {queue}"))?;
-    }
-    for exchange in topology.exchanges() {
-        channel
-            .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
-            .await
-            .with_context(|| format!("cannot delete the demo exchange {exchange}"))?;
-    }
+    topology
+        .delete(&channel)
+        .await
+        .context("cannot delete the demo's queues and exchanges")?;
     close_channel(&channel).await;
     Ok(())
 }

@@ -11,6 +11,7 @@ use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
 use crate::handler::{FailureKind, Handler, HandlerError, Outbox, Tally, Transaction};
+use crate::probe::{self, Point, Verdict};
 
 /// The first pause before a transaction a flush did not confirm runs
 /// again; it doubles with each run after.
@@ -159,6 +160,8 @@ pub struct Applier<H: Handler> {
     claim: String,
     /// The general path's outbox rows, when the handler sends messages.
     send: Option<String>,
+    /// Asked before each commit, when a check armed one.
+    probe: probe::Armed,
 }
 
 impl<H: Handler> fmt::Debug for Applier<H> {
@@ -209,7 +212,22 @@ impl<H: Handler> Applier<H> {
             tally_and_send,
             claim: claim::claim_statement(),
             send: H::SENDS_MESSAGES.then(outbox::insert_statement),
+            probe: None,
         })
+    }
+
+    /// The same applier, asking `probe` before each commit.
+    pub(crate) fn probed(self, probe: probe::Armed) -> Self {
+        Self { probe, ..self }
+    }
+
+    /// What the probe says before the commit of the transaction of `ids`:
+    /// an error when it fails the transaction.
+    async fn before_commit(&self, ids: &[&str]) -> Result<(), Failure> {
+        match probe::reach(&self.probe, Point::BeforeCommit, ids).await {
+            Verdict::Go => Ok(()),
+            Verdict::Fail { kind, reason } => Err(Failure { kind, reason }),
+        }
     }
 
     /// The handler.
@@ -329,6 +347,8 @@ impl<H: Handler> Applier<H> {
         let database = |error| self.database_failure(&error);
 
         if let Some((tally, statements)) = &self.tally {
+            // The statement commits on its own: nothing is committed before it.
+            self.before_commit(&ids).await?;
             // One statement: unflushed on a lane, when a flush can find its
             // records; else on a connection of its own.
             let lanes = self
@@ -432,6 +452,7 @@ impl<H: Handler> Applier<H> {
         // error left it aborted, and COMMIT would roll back without a word.
         // (So the general path clears the ledger whatever the deliveries.)
         ledger::reset(&tx, &ids, group).await.map_err(database)?;
+        self.before_commit(&ids).await?;
         tx.commit().await.map_err(database)?;
         Ok((claimed, None))
     }

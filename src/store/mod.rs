@@ -64,6 +64,9 @@ pub struct DatabaseConfig {
     /// How long a statement of idem's sessions may run before PostgreSQL
     /// cancels it (57014, infrastructure too). Migrations have none.
     pub statement_timeout: Duration,
+    /// Where to connect instead of the connection string's host and port
+    /// (a check's proxy), keeping its host name for TLS.
+    pub(crate) through: Option<std::net::SocketAddr>,
 }
 
 /// The configuration is unusable: it will not get better by retrying.
@@ -133,7 +136,35 @@ impl DatabaseConfig {
             ca_file: None,
             lock_timeout: Self::DEFAULT_LOCK_TIMEOUT,
             statement_timeout: Self::DEFAULT_STATEMENT_TIMEOUT,
+            through: None,
         }
+    }
+
+    /// The same database, reached through `address` (a proxy), the
+    /// connection string's host name kept for TLS.
+    pub(crate) fn through(self, address: std::net::SocketAddr) -> Self {
+        Self {
+            through: Some(address),
+            ..self
+        }
+    }
+
+    /// The address of the server, for a proxy in front of it: the first
+    /// host of the connection string, which must be reached over TCP.
+    pub(crate) async fn address(&self) -> Result<std::net::SocketAddr, ConfigError> {
+        let config = self.parse()?;
+        let Some(tokio_postgres::config::Host::Tcp(host)) = config.get_hosts().first() else {
+            return Err(ConfigError::Url(
+                "it names no host reached over TCP (a Unix socket cannot take a proxy)".into(),
+            ));
+        };
+        let port = config.get_ports().first().copied().unwrap_or(5432);
+        let unresolved = || ConfigError::Url(format!("its host {host} does not resolve"));
+        tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .map_err(|_| unresolved())?
+            .next()
+            .ok_or_else(unresolved)
     }
 
     /// The same database, with idem's tables in `schema`.
@@ -192,6 +223,9 @@ impl DatabaseConfig {
     /// A pool for this database; connects lazily.
     pub fn pool(&self) -> Result<Pool, ConfigError> {
         let mut pg = self.parse()?;
+        if let Some(address) = self.through {
+            pg = redirected(&pg, address);
+        }
         // `require` verifies the certificate and the host name, as libpq's
         // `verify-full` does; `prefer` (the default) and `disable` do not try TLS.
         let tls = match (pg.get_ssl_mode(), &self.ca_file) {
@@ -241,6 +275,36 @@ impl DatabaseConfig {
             .build()
             .map_err(|e| ConfigError::Url(e.to_string()))
     }
+}
+
+/// `config` with its first host reached at `address` instead (its name
+/// kept for TLS), and every other setting idem's sessions use.
+fn redirected(
+    config: &tokio_postgres::Config,
+    address: std::net::SocketAddr,
+) -> tokio_postgres::Config {
+    let mut to = tokio_postgres::Config::new();
+    if let Some(tokio_postgres::config::Host::Tcp(host)) = config.get_hosts().first() {
+        to.host(host);
+    }
+    to.hostaddr(address.ip()).port(address.port());
+    if let Some(user) = config.get_user() {
+        to.user(user);
+    }
+    if let Some(password) = config.get_password() {
+        to.password(password);
+    }
+    if let Some(dbname) = config.get_dbname() {
+        to.dbname(dbname);
+    }
+    if let Some(options) = config.get_options() {
+        to.options(options);
+    }
+    if let Some(name) = config.get_application_name() {
+        to.application_name(name);
+    }
+    to.ssl_mode(config.get_ssl_mode());
+    to
 }
 
 /// Why the database cannot be used. Each names the database, as

@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, error, field, info, info_span, warn};
 
 pub use epochs::EpochSettings;
+pub(crate) use process::decode;
 pub use stats::{Snapshot, Stats};
 
 use crate::backoff::RECONNECT_PATIENCE;
@@ -380,6 +381,8 @@ pub struct Worker<H> {
     config: WorkerConfig,
     handler: H,
     stats: Arc<Stats>,
+    /// Where a check stops this worker, when one armed it.
+    probe: crate::probe::Armed,
 }
 
 /// How one connection's consumption ended.
@@ -399,6 +402,18 @@ impl<H: Handler> Worker<H> {
             config,
             handler,
             stats,
+            probe: None,
+        }
+    }
+
+    /// The same worker, asking `probe` what to do before and after each
+    /// commit: how a check ([`crate::check`]) kills it, cuts its
+    /// connections or fails a transaction at a point of its choosing.
+    #[doc(hidden)]
+    pub fn probed(self, probe: Arc<dyn crate::probe::Probe>) -> Self {
+        Self {
+            probe: Some(probe),
+            ..self
         }
     }
 
@@ -455,6 +470,7 @@ impl<H: Handler> Worker<H> {
             config,
             handler,
             stats,
+            probe,
         } = self;
         let health = DatabaseHealth::new();
         let endpoints = listener.map(|listener| {
@@ -480,13 +496,14 @@ impl<H: Handler> Worker<H> {
             shutdown.clone(),
         ));
         let processor = Arc::new(Processor {
-            applier: Applier::new(store, Arc::new(handler))?,
+            applier: Applier::new(store, Arc::new(handler))?.probed(probe.clone()),
             max_attempts: config.max_attempts,
             max_body_bytes: config.max_body_bytes,
             health,
             stats: Arc::clone(&stats),
             max_hold_backoff: Duration::from_secs(5),
             topology: config.topology.clone(),
+            probe,
         });
         let relay = (H::SENDS_MESSAGES && config.relay)
             .then(|| start_relay(&config, stats.relay().clone()))

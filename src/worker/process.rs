@@ -25,6 +25,7 @@ use crate::broker::Topology;
 use crate::broker::death::may_follow_an_attempt;
 use crate::caught;
 use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
+use crate::probe::{self, Point};
 use crate::store::dead_letters::{body_key, event_key};
 use crate::store::{Applier, DeadLetter, Failure, Store};
 use crate::telemetry::trace;
@@ -110,6 +111,8 @@ pub(crate) struct Processor<H: Handler> {
     pub(crate) max_hold_backoff: Duration,
     /// The retry schedule.
     pub(crate) topology: Topology,
+    /// Asked after each commit, when a check armed one.
+    pub(crate) probe: probe::Armed,
 }
 
 impl<H: Handler> Processor<H> {
@@ -189,23 +192,8 @@ impl<H: Handler> Processor<H> {
         }
     }
 
-    /// The handler's event of `body`, checked against idem's own rules: a
-    /// body within the limit, a usable deduplication key. A handler that
-    /// panics on a body finds it invalid.
     fn decode(&self, body: &[u8]) -> Result<H::Event, Invalid> {
-        if body.len() > self.max_body_bytes {
-            return Err(Invalid::new(format!(
-                "body is {} bytes, above the limit of {} bytes",
-                body.len(),
-                self.max_body_bytes
-            )));
-        }
-        let handler = self.handler();
-        let event = caught::call(|| handler.decode(body))
-            .map_err(|panic| Invalid::new(format!("decoding it {panic}")))??;
-        caught::call(|| check_event_id(handler.event_id(&event)))
-            .map_err(|panic| Invalid::new(format!("reading its event id {panic}")))??;
-        Ok(event)
+        decode(self.handler(), body, self.max_body_bytes)
     }
 
     /// Applies `items` in one transaction; when that fails for a message
@@ -279,6 +267,10 @@ impl<H: Handler> Processor<H> {
             pause = (pause * 2).min(self.max_hold_backoff);
             earlier = Some(committed);
         };
+        if outcome.is_ok() && self.probe.is_some() {
+            let ids: Vec<&str> = items.iter().map(|item| self.event_id(item)).collect();
+            probe::reach(&self.probe, Point::AfterCommit, &ids).await;
+        }
         let outcome = outcome.map(|mut claimed| {
             items
                 .iter()
@@ -304,6 +296,10 @@ impl<H: Handler> Processor<H> {
             }
             Err(failure) if items.len() > 1 => {
                 info!(batch.size = items.len(), %failure, "batch transaction failed: applying its messages one by one");
+                if self.probe.is_some() {
+                    let ids: Vec<&str> = items.iter().map(|item| self.event_id(item)).collect();
+                    probe::reach(&self.probe, Point::BatchFailed, &ids).await;
+                }
                 for item in items {
                     Box::pin(self.apply(vec![item], decided, None)).await;
                 }
@@ -482,6 +478,27 @@ impl<H: Handler> Processor<H> {
         }
         result
     }
+}
+
+/// `handler`'s event of `body`, checked against idem's own rules: a body
+/// of at most `max_body_bytes`, a usable deduplication key. A handler that
+/// panics on a body finds it invalid.
+pub(crate) fn decode<H: Handler>(
+    handler: &H,
+    body: &[u8],
+    max_body_bytes: usize,
+) -> Result<H::Event, Invalid> {
+    if body.len() > max_body_bytes {
+        return Err(Invalid::new(format!(
+            "body is {} bytes, above the limit of {max_body_bytes} bytes",
+            body.len()
+        )));
+    }
+    let event = caught::call(|| handler.decode(body))
+        .map_err(|panic| Invalid::new(format!("decoding it {panic}")))??;
+    caught::call(|| check_event_id(handler.event_id(&event)))
+        .map_err(|panic| Invalid::new(format!("reading its event id {panic}")))??;
+    Ok(event)
 }
 
 fn is_infrastructure(failure: &Failure) -> bool {

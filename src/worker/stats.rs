@@ -423,6 +423,14 @@ impl Stats {
         self.consuming.get() == 1
     }
 
+    /// True while the worker consumes with no transaction in flight and
+    /// no delivery it took left to settle: what a check waits for before it
+    /// stops a worker whose work looks done.
+    #[doc(hidden)]
+    pub fn is_idle(&self) -> bool {
+        self.is_consuming() && self.in_flight.get() == 0 && self.unacked.get() == 0
+    }
+
     pub(crate) fn database_up(&self, up: bool) {
         self.database_up.set(i64::from(up));
     }

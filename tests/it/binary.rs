@@ -105,10 +105,7 @@ async fn migrations_are_idempotent_and_safe_to_run_concurrently() -> anyhow::Res
         assert_eq!(code, Some(0), "{stderr}");
         applied += usize::from(stdout.contains("applied"));
     }
-    let database = idem::store::DatabaseConfig {
-        schema: Some(schema.clone()),
-        ..env.database.clone()
-    };
+    let database = env.database.clone().with_schema(&schema);
     let pool = database.pool()?;
     let again = migrate::run::<idem::points::Points>(&pool, Some(&schema)).await;
     let client = pool.get().await?;

@@ -349,10 +349,8 @@ impl TestEnv {
         sweep_leftovers_once();
         let name = unique_name();
         let schema = name.clone();
-        let database = DatabaseConfig {
-            connect_timeout: patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT),
-            ..DatabaseConfig::new(SecretUrl::new(url)).with_schema(&schema)
-        };
+        let mut database = DatabaseConfig::new(SecretUrl::new(url)).with_schema(&schema);
+        database.connect_timeout = patient(DatabaseConfig::DEFAULT_CONNECT_TIMEOUT);
         let pool = database.pool()?;
         migrate::run::<idem::points::Points>(&pool, Some(&schema)).await?;
         let topology = Topology {
@@ -1010,9 +1008,10 @@ fn sweep_leftovers_once() {
 }
 
 fn is_orphan(name: &str) -> bool {
-    let Some(rest) = name
-        .strip_prefix("idem_t")
-        .or_else(|| name.strip_prefix("idem-t"))
+    // A test's own objects, and those of a check the suite ran.
+    let Some(rest) = ["idem_t", "idem-t", "idem_check_", "idem-check-"]
+        .iter()
+        .find_map(|prefix| name.strip_prefix(prefix))
     else {
         return false;
     };
@@ -1103,7 +1102,7 @@ async fn sweep() -> anyhow::Result<()> {
         }
     };
     let schemas =
-        orphans("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_t%'").await?;
+        orphans("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'idem\\_%'").await?;
     let databases =
         orphans("SELECT datname::text FROM pg_database WHERE datname LIKE 'idem\\_t%'").await?;
     drop(client);

@@ -25,6 +25,7 @@ macro_rules! in_both_modes {
 
 mod bench;
 mod binary;
+mod check;
 mod cluster;
 mod dead_letters;
 mod definitions;

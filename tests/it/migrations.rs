@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
 use idem::points::{PaymentSucceeded, Points};
 use idem::store::migrate::{self, MIGRATIONS, MigrateError};
-use idem::store::{DatabaseConfig, ReadyError, Store};
+use idem::store::{ReadyError, Store};
 use idem::worker::Mode;
 
 use crate::helpers::{GROUP, RunningWorker, TestEnv};
@@ -22,11 +22,7 @@ struct Schema {
 impl Schema {
     fn beside(env: &TestEnv, suffix: &str) -> anyhow::Result<Self> {
         let name = format!("{}_{suffix}", env.schema);
-        let pool = DatabaseConfig {
-            schema: Some(name.clone()),
-            ..env.database.clone()
-        }
-        .pool()?;
+        let pool = env.database.clone().with_schema(&name).pool()?;
         Ok(Self { name, pool })
     }
 

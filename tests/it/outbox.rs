@@ -821,12 +821,10 @@ async fn a_relay_whose_statement_fails_mid_transaction_goes_on_once_the_database
         .await?;
 
     let relay = idem::relay::RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)));
-    let pool = idem::store::DatabaseConfig {
-        pool_size: relay.connections(),
-        lock_timeout: Duration::from_millis(200),
-        ..env.database.clone()
-    }
-    .pool()?;
+    let mut database = env.database.clone();
+    database.pool_size = relay.connections();
+    database.lock_timeout = Duration::from_millis(200);
+    let pool = database.pool()?;
     let counters = idem::relay::RelayCounters::default();
     let stop = tokio_util::sync::CancellationToken::new();
     let relaying = {

@@ -21,12 +21,14 @@ use anyhow::{Context, bail};
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
-pub use run::{Fault, Outcome, Tally};
+pub use crate::trial::Tally;
+pub use run::{Fault, Outcome};
 pub use strategy::{Step, Strategy};
 
 use crate::broker::{AmqpConfig, close, connect};
 use crate::secret::SecretUrl;
 use crate::store::{DatabaseConfig, is_identifier};
+use crate::trial::{Load, Repeats};
 use run::{Shape, Stage};
 
 /// What the lab runs, and where.
@@ -335,18 +337,22 @@ fn redis_client(url: &SecretUrl) -> anyhow::Result<redis::Client> {
 async fn runs(stage: &Stage, config: &LabConfig) -> anyhow::Result<Vec<(Fault, Outcome)>> {
     let faulty = Shape {
         events: config.events,
-        copies: 1,
-        duplicate_ratio: 0.0,
-        consumers: 2,
+        load: Load {
+            repeats: Repeats::once(config.seed),
+            consumers: 2,
+        },
         prefetch: 1,
-        seed: config.seed,
     };
     let load = Shape {
         events: ((config.load as f64) / 1.1).round().max(1.0) as usize,
-        duplicate_ratio: 0.1,
-        consumers: config.consumers,
+        load: Load {
+            repeats: Repeats {
+                extra: 0.1,
+                ..faulty.load.repeats
+            },
+            consumers: config.consumers,
+        },
         prefetch: config.prefetch,
-        ..faulty.clone()
     };
     let mut plan: Vec<_> = (0..config.rounds)
         .map(|round| (Fault::None, format!("load-{round}"), load.clone()))
@@ -355,8 +361,13 @@ async fn runs(stage: &Stage, config: &LabConfig) -> anyhow::Result<Vec<(Fault, O
         Fault::SameEventAtOnce,
         "at-once".to_owned(),
         Shape {
-            copies: config.copies,
-            consumers: config.copies,
+            load: Load {
+                repeats: Repeats {
+                    copies: config.copies,
+                    ..faulty.load.repeats
+                },
+                consumers: config.copies,
+            },
             ..faulty.clone()
         },
     ));

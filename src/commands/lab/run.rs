@@ -23,8 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::strategy::{Step, Strategy};
-use crate::broker::{AmqpConfig, Outgoing, PublishOptions, close_channel, publish_all};
+use crate::broker::{AmqpConfig, close_channel};
 use crate::points::PaymentSucceeded;
+use crate::trial::{self, Load, Tally};
 
 /// What the lab does to a strategy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -42,30 +43,6 @@ pub enum Fault {
     /// Every event is handled, its Redis key expires, then the message
     /// comes back (a producer's retry, a replay, a recovered broker).
     ComesBackAfterTtl,
-}
-
-/// Events applied twice or more, and never, out of how many.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Tally {
-    /// Distinct events sent.
-    pub events: usize,
-    /// Events whose points were added more than once.
-    pub twice: usize,
-    /// Events whose points were never added.
-    pub lost: usize,
-}
-
-impl Tally {
-    /// Neither doubled nor lost anything.
-    pub fn clean(&self) -> bool {
-        self.twice == 0 && self.lost == 0
-    }
-
-    pub(crate) fn add(&mut self, other: Tally) {
-        self.events += other.events;
-        self.twice += other.twice;
-        self.lost += other.lost;
-    }
 }
 
 /// What one run of a strategy under a fault saw.
@@ -90,13 +67,9 @@ pub struct Outcome {
 #[derive(Debug, Clone)]
 pub(crate) struct Shape {
     pub(crate) events: usize,
-    /// Copies of every event published back to back.
-    pub(crate) copies: usize,
-    /// Extra copies of random earlier events, as a share of the events.
-    pub(crate) duplicate_ratio: f64,
-    pub(crate) consumers: usize,
+    /// How often each event is published, to how many consumers.
+    pub(crate) load: Load,
     pub(crate) prefetch: u16,
-    pub(crate) seed: u64,
 }
 
 /// Points per event: an order's points over this are how often its one
@@ -151,7 +124,7 @@ impl Stage {
             strategy: self.strategy,
             fault,
             gate: (fault == Fault::SameEventAtOnce)
-                .then(|| Gate::new(shape.copies, self.gate_timeout)),
+                .then(|| Gate::new(shape.load.repeats.copies, self.gate_timeout)),
             acked: watch::channel(0).0,
             conflicts: AtomicU64::new(0),
             kills: AtomicU64::new(0),
@@ -166,7 +139,7 @@ impl Stage {
         });
         self.publish(&load).await?;
         let started = Instant::now();
-        let consumers: Vec<_> = (0..shape.consumers)
+        let consumers: Vec<_> = (0..shape.load.consumers)
             .map(|_| {
                 let consumer = LabConsumer {
                     run: run.clone(),
@@ -207,20 +180,7 @@ impl Stage {
     }
 
     async fn publish(&self, load: &[Vec<u8>]) -> anyhow::Result<()> {
-        let messages: Vec<_> = load
-            .iter()
-            .map(|body| Outgoing::json("", &self.queue, body.clone()))
-            .collect();
-        let options = PublishOptions {
-            window: 256,
-            patience: self.patience,
-        };
-        let report =
-            publish_all(&self.amqp, &messages, &options, &CancellationToken::new()).await?;
-        if !report.all_confirmed() {
-            bail!("the broker did not confirm the lab's load: {report:?}");
-        }
-        Ok(())
+        trial::publish(&self.amqp, "", &self.queue, load, self.patience).await
     }
 
     async fn until_acked(&self, run: &Run, count: usize) -> anyhow::Result<()> {
@@ -305,22 +265,10 @@ impl Stage {
     }
 }
 
-/// The messages of a run, in publishing order: each event `copies` times
-/// back to back, then extra copies of random events shuffled in.
+/// The messages of a run, in publishing order.
 fn load(events: &[PaymentSucceeded], shape: &Shape) -> Vec<Vec<u8>> {
-    let mut rng = fastrand::Rng::with_seed(shape.seed);
-    let mut load: Vec<Vec<u8>> = Vec::new();
-    for event in events {
-        for _ in 0..shape.copies {
-            load.push(event.to_body());
-        }
-    }
-    let extra = (events.len() as f64 * shape.duplicate_ratio).round() as usize;
-    for _ in 0..extra {
-        let copy = events[rng.usize(..events.len())].to_body();
-        load.insert(rng.usize(..=load.len()), copy);
-    }
-    load
+    let bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+    shape.load.repeats.of(&bodies)
 }
 
 fn redis_key(prefix: &str, event_id: &str) -> String {

@@ -1,0 +1,788 @@
+//! The runs of a check on the real worker: the handler's events through
+//! workers in batch and per-message mode, each on a schema and queues of
+//! its own; several copies of every event at once to two workers; a worker
+//! killed at a chosen point; its database or broker connection cut
+//! mid-batch; copies that come after their event was applied, and dead
+//! letters replayed once their cause is gone; another order.
+//!
+//! Workers run in this process, each behind TCP proxies of its own: to
+//! kill one, the check severs its proxies, which the servers see as a
+//! client that died (PostgreSQL rolls back what it had not committed,
+//! RabbitMQ takes back what it had not acked), and drops its tasks. The
+//! worker's [`Probe`] says when.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::Connection;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::CheckError;
+use super::scratch::Scratch;
+use crate::broker::{AmqpConfig, Topology, close_channel, queue_counts};
+use crate::dlq::{self, Action, DlqConfig, Filter};
+use crate::handler::{FailureKind, Handler};
+use crate::probe::{Point, Probe, Verdict};
+use crate::trial::proxy::Proxy;
+use crate::trial::{Load, Repeats};
+use crate::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
+
+/// What a run does to its workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fault {
+    /// Nothing.
+    None,
+    /// A worker dies at this moment, the next one finishes.
+    Kill(Moment),
+    /// The database connection is cut before a commit.
+    CutDatabase,
+    /// The broker connection is cut after a commit, before the acks.
+    CutBroker,
+    /// Some events fail for a cause that is then fixed; copies of the
+    /// others come after they were applied; the dead letters are replayed.
+    Replay,
+}
+
+/// Where a worker is killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Moment {
+    /// After the handler's statements, before the commit.
+    BeforeCommit,
+    /// After the commit, before the acks.
+    AfterCommit,
+    /// A batch failed whole and its events are being applied one by one:
+    /// after the first of those commits, before the others.
+    MidBatch,
+}
+
+/// One run: how the events are sent, to how many workers, and what
+/// happens to them.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    /// Its name in the report.
+    pub(crate) name: String,
+    /// Where its schema and queues are named from.
+    pub(crate) slug: String,
+    /// How the workers group deliveries into transactions.
+    pub(crate) mode: Mode,
+    /// How often each message is sent, to how many workers at once (each
+    /// with a handler of its own).
+    pub(crate) load: Load,
+    /// What happens to the workers on the way.
+    pub(crate) fault: Fault,
+    /// The bodies in an order drawn from the seed rather than the file's.
+    pub(crate) shuffled: bool,
+    /// Deliveries per batch, in batch mode.
+    pub(crate) batch_size: usize,
+}
+
+/// How many times a run's fault strikes.
+pub(crate) const STRIKES: usize = 3;
+
+/// Every run, in the order of the report: `copies` at once in the copies
+/// runs, batches of `batch_size`, orders drawn from `seed`.
+pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
+    let mut plans = Vec::new();
+    let mut add = |name: &str, slug: &str, modes: &[Mode], fault, workers, copies| {
+        for &mode in modes {
+            plans.push(Plan {
+                name: format!("{name} · {}", mode_name(mode)),
+                slug: format!("{slug}_{}", mode_name(mode).replace(' ', "_")),
+                mode,
+                load: Load {
+                    repeats: Repeats {
+                        copies,
+                        ..Repeats::once(seed)
+                    },
+                    consumers: workers,
+                },
+                fault,
+                shuffled: false,
+                batch_size,
+            });
+        }
+    };
+    let both = [Mode::Batch, Mode::PerMessage];
+    let batch = [Mode::Batch];
+    let once = 1;
+    add(
+        "2 workers sharing the load",
+        "shared",
+        &both,
+        Fault::None,
+        2,
+        once,
+    );
+    add(
+        &format!("{copies} copies at once"),
+        "copies",
+        &both,
+        Fault::None,
+        2,
+        copies,
+    );
+    let killed = |moment| Fault::Kill(moment);
+    add(
+        "killed before commit",
+        "killed_before",
+        &both,
+        killed(Moment::BeforeCommit),
+        1,
+        once,
+    );
+    add(
+        "killed after commit",
+        "killed_after",
+        &both,
+        killed(Moment::AfterCommit),
+        1,
+        once,
+    );
+    add(
+        "killed mid-batch",
+        "killed_mid",
+        &batch,
+        killed(Moment::MidBatch),
+        1,
+        once,
+    );
+    add(
+        "database cut",
+        "database",
+        &both,
+        Fault::CutDatabase,
+        1,
+        once,
+    );
+    add(
+        "broker cut before the acks",
+        "broker",
+        &both,
+        Fault::CutBroker,
+        1,
+        once,
+    );
+    add(
+        "late copies, replayed dead letters",
+        "replay",
+        &batch,
+        Fault::Replay,
+        1,
+        once,
+    );
+    add(
+        "another order, batches of 7",
+        "order",
+        &batch,
+        Fault::None,
+        1,
+        once,
+    );
+    if let Some(order) = plans.last_mut() {
+        order.shuffled = true;
+        order.batch_size = 7;
+    }
+    plans
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Batch => "batch",
+        Mode::PerMessage => "per message",
+    }
+}
+
+/// What the runs share: where the servers are, the handler, the events.
+pub(crate) struct Rig<'a, F> {
+    /// The broker, straight (publishing, counting, replaying).
+    pub(crate) amqp: &'a AmqpConfig,
+    /// The servers' addresses, for the workers' proxies.
+    pub(crate) upstream: Upstream,
+    pub(crate) connection: &'a Connection,
+    pub(crate) make: &'a F,
+    pub(crate) consumer_group: &'a str,
+    /// Start of every queue's name.
+    pub(crate) prefix: &'a str,
+    /// Every body of the file, in its order.
+    pub(crate) bodies: &'a [Vec<u8>],
+    /// Distinct valid events: their ids and a body of each.
+    pub(crate) events: &'a [(String, Vec<u8>)],
+    pub(crate) max_attempts: u32,
+    pub(crate) seed: u64,
+    /// How long a run may take to settle.
+    pub(crate) patience: Duration,
+}
+
+/// The servers behind the proxies.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Upstream {
+    pub(crate) database: SocketAddr,
+    pub(crate) broker: SocketAddr,
+}
+
+/// What a run left, to be judged.
+#[derive(Debug)]
+pub(crate) struct Ran {
+    /// Deliveries acked without effect, by every worker of the run.
+    pub(crate) duplicates: u64,
+    /// Transactions run again because the database refused them for a
+    /// while (a deadlock, a lock timeout, a connection the run cut).
+    pub(crate) retried: u64,
+    /// Workers killed, connections cut, transactions failed on purpose.
+    pub(crate) strikes: usize,
+}
+
+/// The topology of the run named `slug`, its names starting with
+/// `prefix`: queues of its own, a retry at once (no wait queue), one
+/// replica.
+pub(crate) fn topology(prefix: &str, slug: &str) -> Topology {
+    let name = format!("{prefix}.{slug}");
+    Topology {
+        retry_delays: vec![Duration::ZERO],
+        quorum_size: 1,
+        ..Topology::for_queue(&name).bound_to(&format!("{name}.events"), "event")
+    }
+}
+
+/// Deletes the queues and exchanges of every run whose names start with
+/// `prefix`, those of runs that did not finish among them.
+pub(crate) async fn remove(connection: &Connection, prefix: &str) -> Result<(), CheckError> {
+    let channel = connection.create_channel().await.map_err(broker)?;
+    for plan in plans(2, 2, 0) {
+        topology(prefix, &plan.slug)
+            .delete(&channel)
+            .await
+            .map_err(broker)?;
+    }
+    close_channel(&channel).await;
+    Ok(())
+}
+
+impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
+    /// Runs `plan` on `scratch` (made for it) and waits until everything
+    /// sent is settled.
+    pub(crate) async fn run(&self, plan: &Plan, scratch: &Scratch) -> Result<Ran, CheckError> {
+        let topology = topology(self.prefix, &plan.slug);
+        let channel = self.connection.create_channel().await.map_err(broker)?;
+        topology.delete(&channel).await.map_err(broker)?;
+        close_channel(&channel).await;
+        topology
+            .declare(self.connection)
+            .await
+            .map_err(|error| CheckError::Failed(error.into()))?;
+        let (kills, killed) = mpsc::unbounded_channel();
+        let chosen: HashSet<String> = match plan.fault {
+            Fault::Replay => self
+                .events
+                .iter()
+                .step_by(20)
+                .map(|(id, _)| id.clone())
+                .collect(),
+            _ => HashSet::new(),
+        };
+        let shared = Arc::new(Shared {
+            fault: plan.fault,
+            kills,
+            chosen,
+            armed: AtomicBool::new(plan.fault == Fault::Replay),
+            state: Mutex::default(),
+        });
+        let mut crew = Crew {
+            rig: self,
+            plan,
+            scratch,
+            topology: &topology,
+            shared: Arc::clone(&shared),
+            killed,
+            alive: Vec::new(),
+            every: Vec::new(),
+            started: 0,
+        };
+        let bodies = self.load(plan);
+        let ran = async {
+            crew.settle_after(&bodies).await?;
+            if plan.fault == Fault::Replay {
+                let late: Vec<Vec<u8>> = self
+                    .events
+                    .iter()
+                    .filter(|(id, _)| !shared.chosen.contains(id))
+                    .map(|(_, body)| body.clone())
+                    .collect();
+                crew.settle_after(&late).await?;
+                shared.armed.store(false, Ordering::Relaxed);
+                self.replay(scratch, &topology).await?;
+                crew.settle_after(&[]).await?;
+            }
+            Ok::<_, CheckError>(())
+        }
+        .await;
+        crew.stop().await;
+        let channel = self.connection.create_channel().await.map_err(broker)?;
+        let deleted = topology.delete(&channel).await.map_err(broker);
+        close_channel(&channel).await;
+        ran?;
+        deleted?;
+        let snapshots: Vec<_> = crew.every.iter().map(|stats| stats.snapshot()).collect();
+        let strikes = shared.state.lock().map_or(0, |state| state.strikes);
+        Ok(Ran {
+            duplicates: snapshots.iter().map(|s| s.duplicates).sum(),
+            retried: snapshots.iter().map(|s| s.infrastructure_retries).sum(),
+            strikes,
+        })
+    }
+
+    /// The bodies of `plan`, in its order, each as often as it says.
+    fn load(&self, plan: &Plan) -> Vec<Vec<u8>> {
+        let mut bodies = self.bodies.to_vec();
+        if plan.shuffled {
+            fastrand::Rng::with_seed(self.seed).shuffle(&mut bodies);
+        }
+        plan.load.repeats.of(&bodies)
+    }
+
+    /// Replays every dead letter of the run (bodies that can never decode
+    /// aside), as `dlq replay` does.
+    async fn replay(&self, scratch: &Scratch, topology: &Topology) -> Result<(), CheckError> {
+        let config = DlqConfig {
+            amqp: self.amqp.clone(),
+            database: scratch.database.clone(),
+            consumer_group: self.consumer_group.to_owned(),
+            dead_letter_queue: topology.dead_letter_queue.clone(),
+            filter: Filter::default(),
+            limit: None,
+            every_letter: false,
+            patience: self.patience,
+        };
+        let action = Action::Replay {
+            rate: None,
+            include_invalid: false,
+        };
+        let report = dlq::run(&config, &action, &(self.make)(), &CancellationToken::new())
+            .await
+            .map_err(|error| CheckError::Failed(error.into()))?;
+        if !report.succeeded() {
+            return Err(CheckError::Failed(
+                format!(
+                    "the replay left {} dead letters unreplayed",
+                    report.failed.len()
+                )
+                .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn broker(error: lapin::Error) -> CheckError {
+    CheckError::Failed(format!("RabbitMQ: {error}").into())
+}
+
+/// The workers of one run, each behind proxies of its own.
+struct Crew<'a, 'r, F> {
+    rig: &'a Rig<'r, F>,
+    plan: &'a Plan,
+    scratch: &'a Scratch,
+    topology: &'a Topology,
+    shared: Arc<Shared>,
+    /// Which worker a probe wants killed.
+    killed: mpsc::UnboundedReceiver<usize>,
+    alive: Vec<Incarnation>,
+    /// The counters of every worker the run started.
+    every: Vec<Arc<Stats>>,
+    /// Workers started so far: the next one's number.
+    started: usize,
+}
+
+/// One worker, as long as it lives.
+struct Incarnation {
+    id: usize,
+    task: JoinHandle<Result<(), WorkerError>>,
+    shutdown: CancellationToken,
+    stats: Arc<Stats>,
+    database: Arc<Proxy>,
+    broker: Arc<Proxy>,
+}
+
+/// A worker left behind (a check interrupted) dies with its handle.
+impl Drop for Incarnation {
+    fn drop(&mut self) {
+        self.task.abort();
+        self.shutdown.cancel();
+    }
+}
+
+/// How long a worker may take to drain once asked to stop.
+const DRAIN: Duration = Duration::from_secs(10);
+
+/// How often a run's progress is looked at.
+const POLL: Duration = Duration::from_millis(50);
+
+impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
+    /// Starts the run's workers, publishes `bodies` once they consume,
+    /// and waits until every event is applied or dead-lettered, nothing is
+    /// left in the work queue and every worker stopped.
+    async fn settle_after(&mut self, bodies: &[Vec<u8>]) -> Result<(), CheckError> {
+        for _ in 0..self.plan.load.consumers {
+            self.start().await?;
+        }
+        self.until_consuming().await?;
+        crate::trial::publish(
+            self.rig.amqp,
+            &self.topology.exchange,
+            &self.topology.routing_key,
+            bodies,
+            self.rig.patience,
+        )
+        .await
+        .map_err(|error| CheckError::Failed(error.into()))?;
+        let deadline = Instant::now() + self.rig.patience;
+        loop {
+            tokio::select! {
+                Some(id) = self.killed.recv() => {
+                    self.kill(id);
+                    self.start().await?;
+                    continue;
+                }
+                () = tokio::time::sleep(POLL) => {}
+            }
+            if Instant::now() > deadline {
+                return Err(CheckError::Failed(
+                    format!(
+                        "the run did not settle within {}: {}",
+                        crate::duration::format(self.rig.patience),
+                        self.progress().await
+                    )
+                    .into(),
+                ));
+            }
+            if !self.looks_done().await? {
+                continue;
+            }
+            // Stopped, a worker holds nothing: what is still in the queue
+            // is exactly what is left to do.
+            self.stop().await;
+            if self.ready().await? == 0 {
+                return Ok(());
+            }
+            for _ in 0..self.plan.load.consumers {
+                self.start().await?;
+            }
+        }
+    }
+
+    /// Every worker idle, the work queue empty, every event applied or
+    /// dead-lettered.
+    async fn looks_done(&self) -> Result<bool, CheckError> {
+        if !self.alive.iter().all(|worker| worker.stats.is_idle()) || self.ready().await? > 0 {
+            return Ok(false);
+        }
+        let (settled, events) = self.settled().await?;
+        Ok(settled == events)
+    }
+
+    /// Events applied or dead-lettered, of how many.
+    async fn settled(&self) -> Result<(usize, usize), CheckError> {
+        let ids: Vec<&str> = self.rig.events.iter().map(|(id, _)| id.as_str()).collect();
+        let client = self
+            .scratch
+            .pool
+            .get()
+            .await
+            .map_err(|error| CheckError::Failed(error.into()))?;
+        let fates = super::fates_of(&client, self.rig.consumer_group, &ids).await?;
+        Ok((fates.applied.len() + fates.dead.len(), ids.len()))
+    }
+
+    /// Where a run that did not settle stands, for its error.
+    async fn progress(&self) -> String {
+        let settled = match self.settled().await {
+            Ok((settled, events)) => {
+                format!("{settled} of {events} events applied or dead-lettered")
+            }
+            Err(error) => error.to_string(),
+        };
+        let ready = self
+            .ready()
+            .await
+            .map_or_else(|error| error.to_string(), |ready| ready.to_string());
+        format!("{settled}, {ready} messages ready in the work queue")
+    }
+
+    /// Messages ready in the work queue.
+    async fn ready(&self) -> Result<u32, CheckError> {
+        let channel = self.rig.connection.create_channel().await.map_err(broker)?;
+        let counts = queue_counts(&channel, &self.topology.queue)
+            .await
+            .map_err(broker);
+        close_channel(&channel).await;
+        Ok(counts?.0)
+    }
+
+    /// Waits until the work queue has as many consumers as workers alive.
+    async fn until_consuming(&self) -> Result<(), CheckError> {
+        let deadline = Instant::now() + self.rig.patience;
+        loop {
+            let channel = self.rig.connection.create_channel().await.map_err(broker)?;
+            let counts = queue_counts(&channel, &self.topology.queue)
+                .await
+                .map_err(broker);
+            close_channel(&channel).await;
+            if counts?.1 as usize >= self.alive.len() {
+                return Ok(());
+            }
+            if let Some(failed) = self.alive.iter().find(|worker| worker.task.is_finished()) {
+                return Err(CheckError::Failed(
+                    format!("worker {} stopped before it consumed", failed.id).into(),
+                ));
+            }
+            if Instant::now() > deadline {
+                return Err(CheckError::Failed(
+                    "the workers did not start consuming".into(),
+                ));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// Starts a worker of a handler of its own, behind proxies of its own.
+    async fn start(&mut self) -> Result<(), CheckError> {
+        let proxy = |upstream| async move {
+            Proxy::start(upstream).await.map(Arc::new).map_err(|error| {
+                CheckError::Failed(format!("cannot start a proxy: {error}").into())
+            })
+        };
+        let database = proxy(self.rig.upstream.database).await?;
+        let broker = proxy(self.rig.upstream.broker).await?;
+        let local = |proxy: &Proxy| SocketAddr::from(([127, 0, 0, 1], proxy.port));
+        let mut config = WorkerConfig::in_mode(
+            self.plan.mode,
+            self.rig.amqp.through(local(&broker)),
+            self.scratch.database.clone().through(local(&database)),
+            self.topology.clone(),
+            self.rig.consumer_group,
+        );
+        config.relay = false;
+        config.summary_interval = Duration::ZERO;
+        config.startup_timeout = self.rig.patience;
+        config.shutdown_timeout = DRAIN;
+        config.max_attempts = self.rig.max_attempts;
+        if self.plan.mode == Mode::Batch {
+            config.batch_size = self.plan.batch_size;
+            config.prefetch = u16::try_from(self.plan.batch_size * 8).unwrap_or(u16::MAX);
+        }
+        let id = self.started;
+        self.started += 1;
+        let probe = Arc::new(WorkerProbe {
+            id,
+            shared: Arc::clone(&self.shared),
+            database: Arc::clone(&database),
+            broker: Arc::clone(&broker),
+        });
+        let worker = Worker::new(config, (self.rig.make)()).probed(probe);
+        let stats = worker.stats();
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(worker.run(shutdown.clone()));
+        self.every.push(Arc::clone(&stats));
+        self.alive.push(Incarnation {
+            id,
+            task,
+            shutdown,
+            stats,
+            database,
+            broker,
+        });
+        Ok(())
+    }
+
+    /// Kills worker `id` as kill -9 would: its connections die at once,
+    /// with what they had not committed or acked, and so do its tasks.
+    fn kill(&mut self, id: usize) {
+        let Some(place) = self.alive.iter().position(|worker| worker.id == id) else {
+            return;
+        };
+        let worker = self.alive.remove(place);
+        worker.database.sever();
+        worker.broker.sever();
+        worker.task.abort();
+        worker.shutdown.cancel();
+    }
+
+    /// Stops every worker, as SIGTERM does: each drains and acks what it
+    /// took (or is killed once it took longer than it may).
+    async fn stop(&mut self) {
+        for worker in &self.alive {
+            worker.shutdown.cancel();
+        }
+        for mut worker in std::mem::take(&mut self.alive) {
+            if tokio::time::timeout(DRAIN * 2, &mut worker.task)
+                .await
+                .is_err()
+            {
+                worker.database.sever();
+                worker.broker.sever();
+                worker.task.abort();
+            }
+        }
+        // A probe of a worker stopped meanwhile may have asked for its death.
+        while self.killed.try_recv().is_ok() {}
+    }
+}
+
+/// What the probes of one run share.
+#[derive(Debug)]
+struct Shared {
+    fault: Fault,
+    /// Where a probe asks for its worker's death.
+    kills: mpsc::UnboundedSender<usize>,
+    /// The events whose transactions fail while `armed` ([`Fault::Replay`]).
+    chosen: HashSet<String>,
+    armed: AtomicBool,
+    state: Mutex<Strikes>,
+}
+
+/// How far a run's fault has gone.
+#[derive(Debug, Default)]
+struct Strikes {
+    /// Times it struck.
+    strikes: usize,
+    /// Times the point it strikes at was reached.
+    reached: usize,
+    /// Workers struck once already, or whose batch was failed on purpose.
+    struck: HashSet<usize>,
+    broke_batch: HashSet<usize>,
+    /// Workers that asked for their death: everything they do now waits
+    /// for it.
+    dying: HashSet<usize>,
+}
+
+/// What a probe does to its worker.
+enum Act {
+    Go,
+    Fail(FailureKind, String),
+    Die,
+    CutDatabase,
+    CutBroker,
+}
+
+/// The probe of one worker.
+#[derive(Debug)]
+struct WorkerProbe {
+    id: usize,
+    shared: Arc<Shared>,
+    database: Arc<Proxy>,
+    broker: Arc<Proxy>,
+}
+
+/// The reaches of a point at which a cut strikes: the first, and two more
+/// spread over the run.
+const CUT_AT: [usize; STRIKES] = [1, 3, 6];
+
+impl WorkerProbe {
+    fn act(&self, point: Point, events: &[&str]) -> Act {
+        let shared = &self.shared;
+        let Ok(mut state) = shared.state.lock() else {
+            return Act::Go;
+        };
+        if state.dying.contains(&self.id) {
+            return Act::Die;
+        }
+        let spent = state.strikes >= STRIKES;
+        let first_here = !state.struck.contains(&self.id);
+        match (shared.fault, point) {
+            (Fault::Kill(Moment::BeforeCommit), Point::BeforeCommit)
+            | (Fault::Kill(Moment::AfterCommit), Point::AfterCommit)
+                if !spent && first_here =>
+            {
+                self.die(&mut state)
+            }
+            // A batch that failed by itself will do as well as one failed here.
+            (Fault::Kill(Moment::MidBatch), Point::BatchFailed) => {
+                state.broke_batch.insert(self.id);
+                Act::Go
+            }
+            (Fault::Kill(Moment::MidBatch), Point::BeforeCommit)
+                if !spent && events.len() > 1 && !state.broke_batch.contains(&self.id) =>
+            {
+                Act::Fail(
+                    FailureKind::Message,
+                    "idem check: this batch is made to fail, so that its events are applied one by one"
+                        .into(),
+                )
+            }
+            (Fault::Kill(Moment::MidBatch), Point::AfterCommit)
+                if !spent
+                    && first_here
+                    && events.len() == 1
+                    && state.broke_batch.contains(&self.id) =>
+            {
+                self.die(&mut state)
+            }
+            (Fault::CutDatabase, Point::BeforeCommit) | (Fault::CutBroker, Point::AfterCommit) => {
+                state.reached += 1;
+                if spent || !CUT_AT.contains(&state.reached) {
+                    return Act::Go;
+                }
+                state.strikes += 1;
+                match shared.fault {
+                    Fault::CutDatabase => Act::CutDatabase,
+                    _ => Act::CutBroker,
+                }
+            }
+            (Fault::Replay, Point::BeforeCommit)
+                if shared.armed.load(Ordering::Relaxed)
+                    && events.iter().any(|id| shared.chosen.contains(*id)) =>
+            {
+                state.strikes += 1;
+                Act::Fail(
+                    FailureKind::Permanent,
+                    "idem check: a failure injected into this event, whose cause is gone before its replay"
+                        .into(),
+                )
+            }
+            _ => Act::Go,
+        }
+    }
+
+    /// Marks this worker dying and asks the check to kill it.
+    fn die(&self, state: &mut Strikes) -> Act {
+        state.strikes += 1;
+        state.struck.insert(self.id);
+        state.dying.insert(self.id);
+        let _ = self.shared.kills.send(self.id);
+        Act::Die
+    }
+}
+
+impl Probe for WorkerProbe {
+    fn reached<'a>(
+        &'a self,
+        point: Point,
+        events: &'a [&'a str],
+    ) -> Pin<Box<dyn Future<Output = Verdict> + Send + 'a>> {
+        let act = self.act(point, events);
+        Box::pin(async move {
+            match act {
+                Act::Go => Verdict::Go,
+                Act::Fail(kind, reason) => Verdict::Fail { kind, reason },
+                // Held here until the check kills the worker.
+                Act::Die => std::future::pending().await,
+                Act::CutDatabase => {
+                    self.database.cut();
+                    Verdict::Go
+                }
+                Act::CutBroker => {
+                    self.broker.cut();
+                    Verdict::Go
+                }
+            }
+        })
+    }
+}
