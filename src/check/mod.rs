@@ -42,6 +42,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
+use futures::{StreamExt, TryStreamExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -50,7 +51,7 @@ pub use report::{CheckReport, RunReport};
 pub use state::{Difference, LeftOut, Why};
 
 use crate::broker::{AmqpConfig, close, connect};
-use crate::handler::{BoxError, Handler};
+use crate::handler::{BoxError, Handler, message_id};
 use crate::store::DatabaseConfig;
 use crate::worker::WorkerConfig;
 use reference::{Equivalence, Fates};
@@ -368,6 +369,10 @@ struct Observed {
 /// How many differences, events or rows of each kind a report shows.
 const SHOWN: usize = 5;
 
+/// Outgoing messages per event whose keys a doubled outbox row is traced
+/// back to.
+const OUTGOING_LOOKED_AT: usize = 8;
+
 impl<F> Check<'_, F> {
     /// Start of every queue and exchange name: the schemas' with dashes.
     fn queue_prefix(&self) -> String {
@@ -639,10 +644,10 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             }
         }
         if let Some(witness) = &config.witness {
-            for id in ids {
-                let count = witness_count(client, witness, id)
-                    .await
-                    .map_err(|error| CheckError::Failed(format!("--witness: {error}").into()))?;
+            let counts = witness_counts(client, witness, ids)
+                .await
+                .map_err(|error| CheckError::Failed(format!("--witness: {error}").into()))?;
+            for (id, count) in ids.iter().zip(counts) {
                 let expected = i64::from(fates.applied.contains(*id));
                 if count > expected {
                     let what = if expected == 0 {
@@ -656,6 +661,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                         .or_insert_with(|| "applied, but the witness counts 0".to_owned());
                 }
             }
+        }
+        for (id, what) in self.outbox_doubled(client).await? {
+            doubled.entry(id).or_insert(what);
         }
         let mut violations = (0, Vec::new());
         for (place, invariant) in config.invariants.iter().enumerate() {
@@ -680,6 +688,44 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             lost,
             violations,
         })
+    }
+
+    /// The events whose messages are in the outbox more than once (the
+    /// check's workers relay nothing): their idempotency keys are derived
+    /// from the event, so a key twice is an effect twice.
+    async fn outbox_doubled(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<Vec<(String, String)>, CheckError> {
+        let twice = client
+            .query(
+                "SELECT message_id, count(*) FROM mq_outbox GROUP BY 1 HAVING count(*) > 1",
+                &[],
+            )
+            .await
+            .map_err(|error| CheckError::database("reading the outbox", &error))?;
+        if twice.is_empty() {
+            return Ok(Vec::new());
+        }
+        let group = &self.config.consumer_group;
+        let keys: HashMap<uuid::Uuid, &str> = self
+            .ids
+            .iter()
+            .flat_map(|id| {
+                (0..OUTGOING_LOOKED_AT).map(move |index| (message_id(group, id, index), *id))
+            })
+            .collect();
+        Ok(twice
+            .iter()
+            .map(|row| {
+                let (key, count): (uuid::Uuid, i64) = (row.get(0), row.get(1));
+                let what = format!("its message {key} is in the outbox {count} times");
+                let event = keys
+                    .get(&key)
+                    .map_or_else(|| format!("message {key}"), |id| (*id).to_owned());
+                (event, what)
+            })
+            .collect())
     }
 
     /// A run's row of the report: its counts, and what it found wrong,
@@ -931,6 +977,40 @@ fn invariant_query(sql: &str) -> String {
     format!("SELECT to_jsonb(violation)::text FROM ({sql}) violation")
 }
 
+/// What the witness counts for each of `ids`, in their order: one
+/// statement, its executions sent without waiting for each answer.
+async fn witness_counts(
+    client: &impl GenericClient,
+    witness: &str,
+    ids: &[&str],
+) -> Result<Vec<i64>, String> {
+    let statement = client
+        .prepare(witness)
+        .await
+        .map_err(|error| crate::store::describe(&error))?;
+    futures::stream::iter(ids)
+        .map(|id| {
+            let statement = &statement;
+            async move {
+                let row = client
+                    .query_one(statement, &[id])
+                    .await
+                    .map_err(|error| crate::store::describe(&error))?;
+                count_of(&row)
+            }
+        })
+        .buffered(64)
+        .try_collect()
+        .await
+}
+
+/// The count a witness returned.
+fn count_of(row: &tokio_postgres::Row) -> Result<i64, String> {
+    row.try_get::<_, i64>(0)
+        .or_else(|_| row.try_get::<_, i32>(0).map(i64::from))
+        .map_err(|_| "it must return one row of one integer (count(*), say)".to_owned())
+}
+
 /// What the witness counts for `event_id`.
 async fn witness_count(
     client: &impl GenericClient,
@@ -941,7 +1021,5 @@ async fn witness_count(
         .query_one(witness, &[&event_id])
         .await
         .map_err(|error| crate::store::describe(&error))?;
-    row.try_get::<_, i64>(0)
-        .or_else(|_| row.try_get::<_, i32>(0).map(i64::from))
-        .map_err(|_| "it must return one row of one integer (count(*), say)".to_owned())
+    count_of(&row)
 }

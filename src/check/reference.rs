@@ -331,15 +331,23 @@ async fn apply<H: Handler>(
         HandlerError::Database(error) => describe(&error),
         other => other.to_string(),
     })?;
-    // A handler that swallowed an error left the transaction aborted.
-    tx.execute("SELECT 1", &[]).await.map_err(|error| {
-        format!(
-            "the transaction is aborted after apply returned: {}",
-            describe(&error)
-        )
-    })?;
-    Ok(outbox
-        .into_messages()
+    // Written as idem writes them; and a handler that swallowed an error
+    // left the transaction aborted, which this statement finds.
+    let messages: Vec<_> = outbox.into_messages().collect();
+    let written = messages
+        .iter()
+        .map(|(id, index, message)| (*id, *index, message.clone()));
+    crate::store::outbox::write(tx, consumer_group, written)
+        .await
+        .and(tx.execute("SELECT 1", &[]).await)
+        .map_err(|error| {
+            format!(
+                "the transaction is aborted after apply returned: {}",
+                describe(&error)
+            )
+        })?;
+    Ok(messages
+        .into_iter()
         .map(|(id, index, message)| {
             let key = message_id(consumer_group, id, index).to_string();
             let message = Message {

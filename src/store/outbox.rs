@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
 
-use crate::handler::{Outbox, message_id};
+use crate::handler::{Outbox, OutboxMessage, message_id};
 
 /// The outbox rows of some events, column by column (what `unnest` takes):
 /// `$1` the event ids they belong to, then message ids, exchanges, routing
@@ -25,11 +25,20 @@ pub(super) struct Rows {
 impl Rows {
     /// The rows of `outbox`'s messages, keyed in `group`.
     pub(super) fn of(group: &str, outbox: Outbox<'_>) -> Self {
+        Self::of_messages(group, outbox.into_messages())
+    }
+
+    /// The rows of `messages` (an event's id, the message's index among
+    /// that event's, the message), keyed in `group`.
+    fn of_messages<'e>(
+        group: &str,
+        messages: impl Iterator<Item = (&'e str, usize, OutboxMessage)>,
+    ) -> Self {
         let mut rows = Self::default();
         // Each message carries the context of the span that sends it,
         // unless the handler gave one of its own.
         let mut context = None;
-        for (event_id, index, mut message) in outbox.into_messages() {
+        for (event_id, index, mut message) in messages {
             let context = context.get_or_insert_with(crate::telemetry::trace::current);
             for (name, value) in context.iter() {
                 message
@@ -100,6 +109,23 @@ pub(super) fn sent_step(first: usize) -> String {
 /// transaction: `$1`…`$7` as [`Rows::params`].
 pub(super) fn insert_statement() -> String {
     format!("{COLUMNS} FROM {} ORDER BY outgoing.place", unnest(1))
+}
+
+/// Writes `messages` (an event's id, the message's index among that
+/// event's, the message) to the outbox in `tx`, keyed in `group`, as a
+/// transaction that applies their events does.
+pub(crate) async fn write<'e>(
+    tx: &impl GenericClient,
+    group: &str,
+    messages: impl Iterator<Item = (&'e str, usize, OutboxMessage)>,
+) -> Result<(), tokio_postgres::Error> {
+    let rows = Rows::of_messages(group, messages);
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let statement = tx.prepare_cached(&insert_statement()).await?;
+    tx.execute(&statement, &rows.params()).await?;
+    Ok(())
 }
 
 /// A message the relay took from the outbox, locked until its transaction ends.

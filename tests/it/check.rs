@@ -11,7 +11,9 @@ use std::time::Duration;
 use anyhow::ensure;
 use idem::broker::AmqpConfig;
 use idem::check::{CheckConfig, CheckReport, RunReport};
-use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
+use idem::handler::{
+    Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Transaction,
+};
 use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 
@@ -126,13 +128,15 @@ async fn log(
 }
 
 /// A transfer handler whose `apply` is `body`, with the handler, the
-/// transaction and the batch's transfers named as given.
+/// transaction, the batch's transfers and the outbox named as given; each
+/// transfer it makes sends `transfer.completed`.
 macro_rules! transfer_handler {
-    ($name:ident, |$this:ident, $tx:ident, $transfers:ident| $body:block) => {
+    ($name:ident, |$this:ident, $tx:ident, $transfers:ident, $outbox:ident| $body:block) => {
         impl Handler for $name {
             type Event = Transfer;
             const NAME: &'static str = "wallet";
             const MIGRATIONS: &'static [Migration] = WALLET;
+            const SENDS_MESSAGES: bool = true;
 
             fn decode(&self, body: &[u8]) -> Result<Transfer, Invalid> {
                 decode(body)
@@ -142,13 +146,23 @@ macro_rules! transfer_handler {
                 &transfer.event_id
             }
 
+            /// Every transfer made says so, through the outbox.
+            fn outgoing(&self, transfer: &Transfer) -> Vec<OutboxMessage> {
+                let body = serde_json::to_vec(transfer).unwrap_or_default();
+                vec![OutboxMessage::json(
+                    "wallet.events",
+                    "transfer.completed",
+                    body,
+                )]
+            }
+
             async fn apply(
                 &self,
                 tx: &Transaction<'_>,
                 transfers: &[&Transfer],
-                _: &mut Outbox<'_>,
+                outbox: &mut Outbox<'_>,
             ) -> Result<(), HandlerError> {
-                let ($this, $tx, $transfers) = (self, tx, transfers);
+                let ($this, $tx, $transfers, $outbox) = (self, tx, transfers, outbox);
                 $body
             }
         }
@@ -158,7 +172,7 @@ macro_rules! transfer_handler {
 /// Right: locks the batch's accounts in order, then makes each transfer in
 /// turn, in the order given.
 struct Wallet;
-transfer_handler!(Wallet, |_this, tx, transfers| {
+transfer_handler!(Wallet, |_this, tx, transfers, _outbox| {
     each_in_turn(tx, transfers).await?;
     log(tx, transfers, false).await
 });
@@ -167,7 +181,7 @@ transfer_handler!(Wallet, |_this, tx, transfers| {
 /// does for reservations; a batch holding `a → b 10` and `b → a 10` on two
 /// empty accounts passes whole, though neither transfer passes alone.
 struct Netting;
-transfer_handler!(Netting, |_this, tx, transfers| {
+transfer_handler!(Netting, |_this, tx, transfers, _outbox| {
     lock(tx, transfers).await?;
     let mut net = BTreeMap::<&str, i64>::new();
     for t in transfers {
@@ -189,7 +203,7 @@ transfer_handler!(Netting, |_this, tx, transfers| {
 /// idem's transaction, as a call to another service would: committed even
 /// when idem's transaction is not.
 struct OwnConnection;
-transfer_handler!(OwnConnection, |_this, tx, transfers| {
+transfer_handler!(OwnConnection, |_this, tx, transfers, _outbox| {
     each_in_turn(tx, transfers).await?;
     let schema: String = tx
         .query_one("SELECT current_schema()::text", &[])
@@ -214,9 +228,21 @@ transfer_handler!(OwnConnection, |_this, tx, transfers| {
 
 /// Wrong: stamps each log row with the clock, which no run repeats.
 struct Stamped;
-transfer_handler!(Stamped, |_this, tx, transfers| {
+transfer_handler!(Stamped, |_this, tx, transfers, _outbox| {
     each_in_turn(tx, transfers).await?;
     log(tx, transfers, true).await
+});
+
+/// Wrong: says how many transfers it made in one message per call, under
+/// the first transfer's key: a batch sends one, its transfers one at a time
+/// send one each.
+struct Summarizing;
+transfer_handler!(Summarizing, |_this, tx, transfers, outbox| {
+    each_in_turn(tx, transfers).await?;
+    log(tx, transfers, false).await?;
+    let summary = format!("{{\"transfers\": {}}}", transfers.len()).into_bytes();
+    let message = OutboxMessage::json("wallet.events", "transfers.made", summary);
+    outbox.send(&transfers[0].event_id, message)
 });
 
 /// Wrong: writes balances computed from what it cached of them, so that a
@@ -225,7 +251,7 @@ transfer_handler!(Stamped, |_this, tx, transfers| {
 struct Cached {
     balances: Mutex<HashMap<String, i64>>,
 }
-transfer_handler!(Cached, |this, tx, transfers| {
+transfer_handler!(Cached, |this, tx, transfers, _outbox| {
     this.transfer(tx, transfers).await
 });
 
@@ -371,6 +397,36 @@ async fn a_handler_that_nets_a_batch_per_account_fails_batch_equivalence() -> an
     // The worker's batches apply the pairs that the reference gives up on.
     ensure!(
         !run(&report, "3 copies at once · batch")?.passed(),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_whose_messages_depend_on_the_batch_fails_batch_equivalence() -> anyhow::Result<()>
+{
+    let report = idem::check::run(&config(transfers_with(false)), || Summarizing).await?;
+    let equivalence = report
+        .runs
+        .iter()
+        .find(|run| run.name.starts_with("batch equivalence"))
+        .ok_or_else(|| anyhow::anyhow!("no batch equivalence in\n{report}"))?;
+    ensure!(
+        equivalence
+            .findings
+            .iter()
+            .any(|finding| finding.starts_with(
+                "the batch applied whole sends other messages than its events applied one at a time"
+            )),
+        "{report}"
+    );
+    // The worker's batches send one message per batch, not per transfer.
+    ensure!(
+        !run(&report, "2 workers sharing the load · batch")?.passed(),
+        "{report}"
+    );
+    ensure!(
+        run(&report, "2 workers sharing the load · per message")?.passed(),
         "{report}"
     );
     Ok(())

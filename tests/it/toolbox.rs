@@ -15,7 +15,7 @@ use idem::store::DatabaseConfig;
 use idem::worker::{ConfigError, Worker, WorkerConfig, WorkerError};
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{clean_up, database_url, drop_schema, patient, unique_name};
+use crate::helpers::{amqp_url, clean_up, database_url, drop_schema, patient, unique_name};
 
 /// A worker built through the library with a consumer group its column
 /// cannot hold is refused before it connects to anything, rather than
@@ -84,6 +84,32 @@ impl Handler for Inventory {
 fn main() -> std::process::ExitCode {
     idem::cli::run(Inventory)
 }
+
+/// The team's own test of its handler under idem's faults, on the servers
+/// that DATABASE_URL and AMQP_URL name.
+#[cfg(test)]
+mod check {
+    use idem::broker::AmqpConfig;
+    use idem::check::CheckConfig;
+    use idem::secret::SecretUrl;
+    use idem::store::DatabaseConfig;
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn the_inventory_passes_idems_check() {
+        let url = |name: &str| SecretUrl::new(std::env::var(name).expect(name));
+        let events = (0..200).map(|n| format!("reservation-{n}").into_bytes()).collect();
+        let config = CheckConfig::new(
+            AmqpConfig::new(url("AMQP_URL")),
+            DatabaseConfig::new(url("DATABASE_URL")),
+            "inventory",
+            events,
+        )
+        .witness("SELECT count(*) FROM reserved WHERE event_id = $1");
+        let report = idem::check::run(&config, || super::Inventory).await.expect("the check ran");
+        println!("{report}");
+        assert!(report.passed(), "{report}");
+    }
+}
 "#;
 
 /// A crate under a temporary directory with a path dependency on this
@@ -96,6 +122,7 @@ fn build_outside_crate() -> anyhow::Result<(tempfile_dir::Dir, PathBuf)> {
     let manifest = format!(
         "[package]\nname = \"inventory\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n\
          [dependencies]\nidem = {{ path = {:?}, default-features = false, features = [\"cli\"] }}\n\n\
+         [dev-dependencies]\ntokio = {{ version = \"1\", features = [\"macros\", \"rt-multi-thread\"] }}\n\n\
          [workspace]\n",
         root.display().to_string()
     );
@@ -144,7 +171,7 @@ fn help_sections(binary: &Path, args: &[&str]) -> anyhow::Result<BTreeSet<String
 async fn a_crate_outside_idem_gets_every_command_for_its_handler_with_one_call()
 -> anyhow::Result<()> {
     let built = tokio::task::spawn_blocking(build_outside_crate).await??;
-    let (_dir, binary) = built;
+    let (dir, binary) = built;
     let help = std::process::Command::new(&binary).arg("--help").output()?;
     let help = String::from_utf8(help.stdout)?;
     for command in [
@@ -156,6 +183,7 @@ async fn a_crate_outside_idem_gets_every_command_for_its_handler_with_one_call()
         "reconcile",
         "relay",
         "prune",
+        "check",
     ] {
         assert!(
             help.lines()
@@ -209,6 +237,35 @@ async fn a_crate_outside_idem_gets_every_command_for_its_handler_with_one_call()
     assert!(
         stderr.starts_with("inventory: ") && stderr.contains("--exchange"),
         "{stderr}"
+    );
+
+    // Its own cargo test proves the handler through the library's check.
+    let target = binary
+        .parent()
+        .and_then(Path::parent)
+        .context("no target directory above the outside binary")?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let tested = tokio::time::timeout(
+        patient(Duration::from_secs(600)),
+        tokio::process::Command::new(cargo)
+            .args(["test", "--quiet", "--", "--show-output"])
+            .current_dir(dir.path())
+            .env("CARGO_TARGET_DIR", target)
+            .env("DATABASE_URL", database_url())
+            .env("AMQP_URL", amqp_url())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await??;
+    let stdout = String::from_utf8_lossy(&tested.stdout);
+    ensure!(
+        tested.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&tested.stderr)
+    );
+    ensure!(
+        stdout.contains("check passed: ") && stdout.contains("1 passed"),
+        "{stdout}"
     );
     Ok(())
 }
