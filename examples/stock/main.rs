@@ -33,8 +33,12 @@ struct Reservation {
 /// Takes reserved units off the stock.
 struct Stock;
 
-/// Every SKU's reservations of a batch at once, SKUs in order (so that
-/// concurrent batches lock rows in one order). `$1` SKUs, `$2` quantities.
+/// The batch's SKUs locked in order, so that concurrent batches never wait
+/// on each other in a circle (an UPDATE locks rows in the order of its
+/// plan, not of its arguments); the unknown ones are missing. `$1` SKUs.
+const LOCK: &str = "SELECT sku FROM stock WHERE sku = ANY($1) ORDER BY sku FOR UPDATE";
+
+/// Every SKU's reservations of a batch at once. `$1` SKUs, `$2` quantities.
 const RESERVE: &str = "UPDATE stock SET available = stock.available - wanted.quantity \
     FROM unnest($1::varchar[], $2::bigint[]) AS wanted(sku, quantity) WHERE stock.sku = wanted.sku";
 
@@ -73,13 +77,16 @@ impl Handler for Stock {
             *wanted.entry(&reservation.sku).or_default() += reservation.quantity;
         }
         let (skus, quantities): (Vec<&str>, Vec<i64>) = wanted.into_iter().unzip();
-        let reserve = tx.prepare_cached(RESERVE).await?;
-        // An oversold SKU breaks the CHECK here: SQLSTATE 23514, a failure
-        // of the message by idem's classification.
-        if tx.execute(&reserve, &[&skus, &quantities]).await? != skus.len() as u64 {
+        // An unknown SKU is not there to lock: it can never apply.
+        let lock = tx.prepare_cached(LOCK).await?;
+        if tx.query(&lock, &[&skus]).await?.len() != skus.len() {
             let skus = skus.join(", ");
             return Err(HandlerError::permanent(format!("no such SKU among {skus}")));
         }
+        // An oversold SKU breaks the CHECK here: SQLSTATE 23514, a failure
+        // of the message by idem's classification.
+        let reserve = tx.prepare_cached(RESERVE).await?;
+        tx.execute(&reserve, &[&skus, &quantities]).await?;
         Ok(())
     }
 }
