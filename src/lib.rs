@@ -118,6 +118,8 @@
 //!   (feature `cli`).
 //! - [`dlq`] — the dead letters: browse, summarize by reason and error,
 //!   replay, discard (`dlq`, `requeue`, and what `status` and `prune` read).
+//! - [`check`] — a handler proved under idem's faults against its events
+//!   applied one at a time (`check`, and from a team's own tests).
 //! - [`commands`] — what the other commands do: `status`, `prune`,
 //!   `reconcile`; `publish`, `demo`, `bench` and `lab` for points (feature
 //!   `tools`).

@@ -8,12 +8,12 @@
 //! A check applies the events one at a time, in the file's order, each in
 //! a transaction of its own (the reference); twice, to see that the effect
 //! is the same each time; and in the reverse order, to see whether it
-//! depends on the order. Then it runs the real worker on them, in batch and
-//! per-message mode, under faults chosen rather than left to chance
-//! (the `runs` module), and compares what each run left (the handler's tables, row
-//! by row, and its outgoing messages) with the reference: when the order
-//! does not matter, every run must end where the reference did. Always,
-//! idem's own accounts must hold: every event applied once or
+//! depends on the order. Then it runs the real worker on them, in batch
+//! and per-message mode, under faults chosen rather than left to chance
+//! (the `runs` module), and compares what each run left (the handler's
+//! tables, row by row, and its outgoing messages) with the reference: when
+//! the order does not matter, every run must end where the reference did.
+//! Always, idem's own accounts must hold: every event applied once or
 //! dead-lettered, one consume record each, the invariants given, and the
 //! witness query counting each applied event's effect once.
 //!
@@ -367,7 +367,7 @@ struct Observed {
 }
 
 /// How many differences, events or rows of each kind a report shows.
-const SHOWN: usize = 5;
+const SHOWN: usize = 3;
 
 /// Outgoing messages per event whose keys a doubled outbox row is traced
 /// back to.
@@ -484,9 +484,8 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         );
         again_row.diverged = Some(unstable.len());
         lookup.name(&mut unstable, SHOWN);
-        again_row
-            .findings
-            .extend(unstable.iter().take(SHOWN).map(ToString::to_string));
+        let rows = unstable.iter().map(ToString::to_string).collect();
+        again_row.findings.extend(first_few(rows, "rows", ""));
         again_row.seconds = started.elapsed().as_secs_f64();
         if !unstable.is_empty() {
             // Compared from here on without them, so that what else differs shows.
@@ -543,11 +542,10 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             ));
             reversed_row
                 .findings
-                .extend(fate_changes.into_iter().take(SHOWN));
+                .extend(first_few(fate_changes, "events", ""));
             lookup.name(&mut order, SHOWN);
-            reversed_row
-                .findings
-                .extend(order.iter().take(SHOWN).map(ToString::to_string));
+            let rows = order.iter().map(ToString::to_string).collect();
+            reversed_row.findings.extend(first_few(rows, "rows", ""));
         }
         reversed_row.seconds = started.elapsed().as_secs_f64();
         report.runs.push(reversed_row);
@@ -770,9 +768,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             let fates = fate_differences(&reference.fates, &observed.fates);
             row.diverged = Some(rows.len() + fates.len());
             lookup.name(&mut rows, SHOWN);
-            row.findings.extend(fates.into_iter().take(SHOWN));
-            row.findings
-                .extend(rows.iter().take(SHOWN).map(ToString::to_string));
+            row.findings.extend(first_few(fates, "events", ""));
+            let rows = rows.iter().map(ToString::to_string).collect();
+            row.findings.extend(first_few(rows, "rows", ""));
         }
         row
     }
@@ -791,8 +789,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         let size = self.config.batch_size;
         let handler = (self.make)();
         let mut row = RunReport::default();
-        let mut batches = 0;
-        let mut unequal = 0;
+        let (mut batches, mut unequal, mut shown) = (0, 0, 0);
         for (cut, offset) in [("batches", 0), ("batches_half", size / 2)] {
             let scratch = self.scratch(cut, 1).await?;
             let found: Equivalence = reference::batch_equivalence(
@@ -817,9 +814,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                 row.diverged = row.diverged.zip(judged.diverged).map(|(a, b)| a.max(b));
                 row.findings.extend(judged.findings);
             }
-            for batch in found.unequal.iter().take(SHOWN) {
-                let shown: Vec<&str> = batch.batch.iter().take(8).map(String::as_str).collect();
-                let more = if batch.batch.len() > shown.len() {
+            for batch in found.unequal.iter().take(SHOWN.saturating_sub(shown)) {
+                let named: Vec<&str> = batch.batch.iter().take(8).map(String::as_str).collect();
+                let more = if batch.batch.len() > named.len() {
                     ", …"
                 } else {
                     ""
@@ -828,19 +825,23 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                     "{} (a batch of {}: {}{more})",
                     batch.how,
                     batch.batch.len(),
-                    shown.join(", ")
+                    named.join(", ")
                 ));
                 if let Some((alone, whole)) = &batch.rows {
                     let mut differences = state::differences(alone, whole);
                     lookup.name(&mut differences, SHOWN);
-                    row.findings.extend(
-                        differences
-                            .iter()
-                            .take(SHOWN)
-                            .map(|difference| format!("  one at a time vs whole: {difference}")),
-                    );
+                    let rows = differences
+                        .iter()
+                        .map(|difference| format!("one at a time vs whole: {difference}"))
+                        .collect();
+                    row.findings.extend(first_few(rows, "rows", "  "));
                 }
             }
+            shown += found.unequal.len().min(SHOWN.saturating_sub(shown));
+        }
+        if unequal > shown {
+            row.findings
+                .push(format!("… and {} more batches", unequal - shown));
         }
         row.name = format!("batch equivalence ({batches} batches of {size}, two cuts)");
         row.diverged = Some(row.diverged.unwrap_or(0) + unequal);
@@ -869,11 +870,14 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                 row.duplicates = Some(ran.duplicates);
                 row.strikes = Some(ran.strikes);
                 if ran.retried > 0 && plan.fault != runs::Fault::CutDatabase {
+                    let (count, verb) = match ran.retried {
+                        1 => ("1 transaction".to_owned(), "was"),
+                        n => (format!("{n} transactions"), "were"),
+                    };
                     row.findings.push(format!(
-                        "note: {} transactions ran again once the database let them (a deadlock \
-                         or a lock timeout): right, but slow; lock the rows a batch touches in a \
-                         stable order",
-                        ran.retried
+                        "note: {count} {verb} refused by the database for a while and ran again \
+                         (a deadlock or a lock timeout): right, but slow; lock the rows a batch \
+                         touches in a stable order"
                     ));
                 }
                 row
@@ -949,6 +953,21 @@ pub(crate) async fn fates_of(
         }
     }
     Ok(fates)
+}
+
+/// The first [`SHOWN`] of `items` (each after `indent`), then how many
+/// more `what` there are.
+fn first_few(items: Vec<String>, what: &str, indent: &str) -> Vec<String> {
+    let more = items.len().saturating_sub(SHOWN);
+    let mut few: Vec<String> = items
+        .into_iter()
+        .take(SHOWN)
+        .map(|item| format!("{indent}{item}"))
+        .collect();
+    if more > 0 {
+        few.push(format!("{indent}… and {more} more {what}"));
+    }
+    few
 }
 
 /// The events applied in one and dead-lettered in the other.

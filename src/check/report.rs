@@ -155,7 +155,7 @@ impl fmt::Display for CheckReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "idem check: {} messages, {} distinct events, {} that do not decode; {:.1} s.",
+            "check: {} messages, {} distinct events, {} that do not decode; {:.1} s.",
             self.messages, self.events, self.invalid, self.seconds
         )?;
         if !self.left_out.is_empty() {

@@ -330,11 +330,21 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
         close_channel(&channel).await;
         ran?;
         deleted?;
-        let snapshots: Vec<_> = crew.every.iter().map(|stats| stats.snapshot()).collect();
+        let snapshots: Vec<_> = crew
+            .every
+            .iter()
+            .map(|(stats, killed)| (stats.snapshot(), *killed))
+            .collect();
         let strikes = shared.state.lock().map_or(0, |state| state.strikes);
         Ok(Ran {
-            duplicates: snapshots.iter().map(|s| s.duplicates).sum(),
-            retried: snapshots.iter().map(|s| s.infrastructure_retries).sum(),
+            duplicates: snapshots.iter().map(|(s, _)| s.duplicates).sum(),
+            // A worker being killed fails what it had in flight: no
+            // sign of the handler's.
+            retried: snapshots
+                .iter()
+                .filter(|(_, killed)| !killed)
+                .map(|(s, _)| s.infrastructure_retries)
+                .sum(),
             strikes,
         })
     }
@@ -395,8 +405,9 @@ struct Crew<'a, 'r, F> {
     /// Which worker a probe wants killed.
     killed: mpsc::UnboundedReceiver<usize>,
     alive: Vec<Incarnation>,
-    /// The counters of every worker the run started.
-    every: Vec<Arc<Stats>>,
+    /// The counters of every worker the run started, and whether it was
+    /// killed.
+    every: Vec<(Arc<Stats>, bool)>,
     /// Workers started so far: the next one's number.
     started: usize,
 }
@@ -590,7 +601,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
         let stats = worker.stats();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(worker.run(shutdown.clone()));
-        self.every.push(Arc::clone(&stats));
+        self.every.push((Arc::clone(&stats), false));
         self.alive.push(Incarnation {
             id,
             task,
@@ -609,6 +620,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
             return;
         };
         let worker = self.alive.remove(place);
+        if let Some(killed) = self.every.get_mut(id) {
+            killed.1 = true;
+        }
         worker.database.sever();
         worker.broker.sever();
         worker.task.abort();

@@ -21,10 +21,11 @@
 //! ```
 //!
 //! The binary then has `migrate`, `worker`, `requeue`, `dlq` (summary,
-//! list, replay, discard), `status`, `reconcile`, `relay` and `prune`, with
-//! the flags, environment variables, help, errors and exit codes of the
-//! `idem` binary; the topology and consumer group given here are the
-//! defaults of `--queue`, `--exchange`, `--consumer-group` and the rest.
+//! list, replay, discard), `status`, `reconcile`, `relay`, `prune` and
+//! `check`, with the flags, environment variables, help, errors and exit
+//! codes of the `idem` binary; the topology and consumer group given here
+//! are the defaults of `--queue`, `--exchange`, `--consumer-group` and the
+//! rest.
 //! A service adds subcommands of its own with [`Service::commands`], and
 //! flags of its own to `worker` with [`Service::worker_flags`].
 //!
