@@ -50,9 +50,9 @@ pub use events::read as read_events;
 pub use report::{CheckReport, RunReport};
 pub use state::{Difference, LeftOut, Why};
 
-use crate::broker::{AmqpConfig, close, connect};
+use crate::broker::{AmqpConfig, ConnectError, close, connect_with_retry};
 use crate::handler::{BoxError, Handler, message_id};
-use crate::store::DatabaseConfig;
+use crate::store::{DatabaseConfig, ReadyError, StoreError};
 use crate::worker::WorkerConfig;
 use reference::{Equivalence, Fates};
 use runs::{Plan, Rig, Upstream};
@@ -95,6 +95,8 @@ pub struct CheckConfig {
     pub seed: u64,
     /// How long one run may take.
     pub patience: Duration,
+    /// How long to wait for PostgreSQL and RabbitMQ to answer at the start.
+    pub startup_timeout: Duration,
 }
 
 impl CheckConfig {
@@ -133,6 +135,7 @@ impl CheckConfig {
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             seed: 1,
             patience: Self::DEFAULT_PATIENCE,
+            startup_timeout: WorkerConfig::DEFAULT_STARTUP_TIMEOUT,
         }
     }
 
@@ -204,7 +207,7 @@ pub enum CheckError {
     Usage(String),
     /// A server failed it.
     #[error("{0}")]
-    Failed(BoxError),
+    Failed(#[source] BoxError),
     /// Shutdown was asked for.
     #[error("interrupted")]
     Interrupted,
@@ -294,9 +297,16 @@ where
             .map_err(|error| CheckError::Usage(error.to_string()))?
     };
     let server = config.database.describe();
-    drop(admin.get().await.map_err(|error| {
-        CheckError::Failed(format!("cannot reach PostgreSQL at {server}: {error}").into())
-    })?);
+    let answered = crate::store::until_answered(&server, config.startup_timeout, shutdown, || {
+        let admin = admin.clone();
+        async move { admin.get().await.map(drop).map_err(StoreError::from) }
+    })
+    .await;
+    match answered {
+        Ok(()) => {}
+        Err(ReadyError::Interrupted) => return Err(CheckError::Interrupted),
+        Err(error) => return Err(CheckError::Failed(Box::new(error))),
+    }
     let upstream = Upstream {
         database: config
             .database
@@ -305,9 +315,18 @@ where
             .map_err(|error| CheckError::Usage(error.to_string()))?,
         broker: config.amqp.address().await.map_err(CheckError::Usage)?,
     };
-    let connection = connect(&config.amqp, "idem check")
-        .await
-        .map_err(|error| CheckError::Failed(error.into()))?;
+    let connection = match connect_with_retry(
+        &config.amqp,
+        "idem check",
+        config.startup_timeout,
+        shutdown,
+    )
+    .await
+    {
+        Ok(connection) => connection,
+        Err(ConnectError::Interrupted) => return Err(CheckError::Interrupted),
+        Err(error) => return Err(CheckError::Failed(Box::new(error))),
+    };
     let handler = make();
     let decoded = decode(&handler, &config.events);
     let check = Check {
@@ -517,6 +536,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             };
         }
         report.left_out = tables.left_out.clone();
+        report.tables = tables.names();
         report.runs.push(first_row);
         report.runs.push(again_row);
 
@@ -588,9 +608,18 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                 })?;
         }
         if let Some(witness) = &self.config.witness {
-            witness_count(client, witness, "")
+            let cannot = |why: String| CheckError::Usage(format!("--witness cannot run: {why}"));
+            let statement = client
+                .prepare(witness)
                 .await
-                .map_err(|error| CheckError::Usage(format!("--witness cannot run: {error}")))?;
+                .map_err(|error| cannot(crate::store::describe(&error)))?;
+            if statement.params().len() != 1 {
+                return Err(cannot(format!(
+                    "it must take the event id as $1, its one parameter (it takes {})",
+                    statement.params().len()
+                )));
+            }
+            witness_count(client, witness, "").await.map_err(cannot)?;
         }
         Ok(())
     }

@@ -17,6 +17,8 @@ pub struct CheckReport {
     pub events: usize,
     /// Bodies the handler cannot decode (each run dead-letters them).
     pub invalid: usize,
+    /// The handler's tables, compared row by row (the outbox is too).
+    pub tables: Vec<String>,
     /// Columns left out of the comparisons, and why.
     pub left_out: Vec<LeftOut>,
     /// Columns the reference sets differently when run twice in the same
@@ -158,9 +160,14 @@ impl fmt::Display for CheckReport {
             "check: {} messages, {} distinct events, {} that do not decode; {:.1} s.",
             self.messages, self.events, self.invalid, self.seconds
         )?;
-        if !self.left_out.is_empty() {
+        let mut compared = self.tables.clone();
+        compared.push("the outbox".to_owned());
+        write!(f, "Compared: {}", compared.join(", "))?;
+        if self.left_out.is_empty() {
+            writeln!(f, ".")?;
+        } else {
             let left: Vec<String> = self.left_out.iter().map(ToString::to_string).collect();
-            writeln!(f, "Left out of the comparisons: {}.", left.join(", "))?;
+            writeln!(f, "; left out: {}.", left.join(", "))?;
         }
         writeln!(
             f,

@@ -173,6 +173,11 @@ pub(crate) struct State {
 pub(crate) type Digest = Vec<(i64, String)>;
 
 impl Tables {
+    /// The tables' names, in order.
+    pub(crate) fn names(&self) -> Vec<String> {
+        self.tables.iter().map(|table| table.name.clone()).collect()
+    }
+
     /// The rows of a table as the comparison sees them: JSON objects
     /// without the columns left out.
     fn select(table: &Table) -> String {

@@ -347,6 +347,8 @@ pub(crate) struct CheckArgs {
     pub(crate) database: ServerArgs,
     #[command(flatten)]
     pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
 }
 
 impl CheckArgs {
@@ -375,6 +377,7 @@ impl CheckArgs {
         config.max_attempts = self.max_attempts;
         config.seed = self.seed;
         config.patience = self.patience.0;
+        config.startup_timeout = self.wait.startup_timeout();
         Ok(config)
     }
 }

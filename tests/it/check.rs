@@ -504,12 +504,10 @@ async fn a_handler_that_computes_balances_from_a_cache_loses_updates_once_two_wo
         "2 workers sharing the load · batch",
         "2 workers sharing the load · per message",
     ] {
+        // Balances diverge; money is often, not always, lost too: a stale
+        // write to both accounts of a transfer cancels out.
         let shared = run(&report, name)?;
         ensure!(shared.diverged.unwrap_or(0) > 0, "{name}:\n{report}");
-        ensure!(
-            shared.violations > 0,
-            "money is not conserved in {name}:\n{report}"
-        );
     }
     Ok(())
 }
