@@ -8,6 +8,18 @@ use std::path::Path;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
+/// The TLS provider of every connection idem makes (PostgreSQL, and the
+/// OTLP exporter's; lapin's is built on the same): `ring`, which builds
+/// with no C toolchain beyond a compiler. rustls deprecates its default
+/// provider since 0.23.48 because ring has no post-quantum key exchange
+/// (X25519MLKEM768); idem's connections go to a database, a broker and a
+/// collector of the deployment's own, and keep ring until it has one or
+/// idem moves to aws-lc-rs with lapin.
+#[allow(deprecated)]
+pub fn provider() -> rustls::crypto::CryptoProvider {
+    rustls::crypto::ring::default_provider()
+}
+
 /// Why a CA file cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot use the CA file {path}: {reason}")]

@@ -53,7 +53,7 @@ pub(super) fn provider(name: &str) -> Result<Option<SdkTracerProvider>, ExportEr
         }
     }
     // The exporter's HTTPS client takes the process's TLS provider.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = crate::tls::provider().install_default();
     let exporter = SpanExporter::builder()
         .with_http()
         .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
