@@ -138,8 +138,12 @@ pub struct Entry {
 pub struct Report {
     /// The queue.
     pub queue: String,
+    /// Dead letters in the queue when the pass started.
+    pub in_queue: usize,
     /// Dead letters looked at.
     pub seen: usize,
+    /// The pass reached its limit: more letters may match than it acted on.
+    pub limited: bool,
     /// Those that matched, when listing.
     pub listed: Vec<Entry>,
     /// Replayed and removed from the dead-letter queue.
@@ -417,12 +421,14 @@ impl fmt::Display for IndexedSummary {
             Some(ready) if state.behind() => write!(
                 f,
                 " (by the index; the queue holds {ready} ready, some the index does not know \
-                 of: `idem dlq sync` adds them, browsing every letter)"
+                 of: `{} dlq sync` adds them, browsing every letter)",
+                crate::program::name()
             )?,
             Some(ready) if i64::from(ready) != state.totals.letters => write!(
                 f,
-                " (by the index; the queue holds {ready} ready: `idem dlq sync` sets the index \
-                 to it)"
+                " (by the index; the queue holds {ready} ready: `{} dlq sync` sets the index \
+                 to it)",
+                crate::program::name()
             )?,
             _ => {}
         }
@@ -461,8 +467,13 @@ impl fmt::Display for IndexedSummary {
         }
         write!(
             f,
-            "\n  a replay would apply {}, find {} applied already; {} invalid or unknown",
-            summary.would_apply, summary.applied, summary.invalid
+            "\n  a replay would apply {}, find {} applied already; {} invalid or unknown \
+             (applied as of each letter's death or the last sync: `{} dlq list` looks each \
+             up now)",
+            summary.would_apply,
+            summary.applied,
+            summary.invalid,
+            crate::program::name()
         )
     }
 }
@@ -610,6 +621,8 @@ impl<H: Handler> Pass<'_, H> {
         let mut taking =
             Taking::start(&getter, &self.config.dead_letter_queue, self.consuming).await?;
         self.progress.set_total(taking.left as u64);
+        self.report.in_queue = taking.left;
+        self.report.limited = false;
         self.report.not_looked_at = 0;
         self.indexed_matches = self.indexed_matches(taking.left).await;
         while !shutdown.is_cancelled() && self.wanted() != Some(0) && !self.found_all() {
@@ -686,6 +699,8 @@ impl<H: Handler> Pass<'_, H> {
         }
         if self.found_all() {
             self.report.not_looked_at = taking.left;
+        } else if self.wanted() == Some(0) {
+            self.report.limited = true;
         }
         taking.stop(&getter).await?;
         if let Some(started) = sync_started
@@ -1608,12 +1623,23 @@ impl fmt::Display for Printed<'_> {
         } else if let Some(synced) = &report.synced {
             write!(f, "{}", SyncedIn(&report.queue, synced))?;
         } else {
-            write!(
-                f,
-                "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
-                report.listed.len(),
-                report.seen + report.not_looked_at
-            )?;
+            if report.limited {
+                write!(
+                    f,
+                    "the first {} dead-lettered message(s) in {queue} that match (the limit), \
+                     of the {} looked at; the queue holds {} (nothing moved)",
+                    report.listed.len(),
+                    report.seen,
+                    report.in_queue
+                )?;
+            } else {
+                write!(
+                    f,
+                    "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
+                    report.listed.len(),
+                    report.in_queue
+                )?;
+            }
             for entry in &report.listed {
                 write!(f, "\n  {entry}")?;
             }
@@ -1661,8 +1687,9 @@ impl fmt::Display for Printed<'_> {
         if let Some(error) = &report.index_stale {
             write!(
                 f,
-                "\n  (the dead-letter index could not be told: {}; `idem dlq sync` mends it)",
-                printable(error)
+                "\n  (the dead-letter index could not be told: {}; `{} dlq sync` mends it)",
+                printable(error),
+                crate::program::name()
             )?;
         }
         if let Some(error) = &report.ledger_unavailable {

@@ -33,6 +33,8 @@ pub struct PruneSettings {
     pub epoch_length: Duration,
     /// Longest wait for a lock (see [`PruneConfig::lock_timeout`]).
     pub lock_timeout: Duration,
+    /// Change nothing: say what a pass would remove, and what it keeps.
+    pub dry_run: bool,
 }
 
 impl PruneSettings {
@@ -134,6 +136,8 @@ pub async fn run<H: Handler>(
         epoch_length: settings.epoch_length,
         lock_timeout: settings.lock_timeout,
         keep_from,
+        dry_run: settings.dry_run,
+        keep_ledger: index_behind.is_some(),
     };
     let pruned = retention::prune(&pool, &config)
         .await
@@ -189,7 +193,8 @@ pub async fn keep_pruning<H: Handler>(
                 }
                 _ if outcome.index_behind.is_some() => tracing::warn!(
                     %outcome,
-                    "kept every epoch until `idem dlq sync` indexes the dead letters"
+                    "kept every epoch until `{} dlq sync` indexes the dead letters",
+                    crate::program::name()
                 ),
                 _ => tracing::debug!(%outcome, "nothing to prune"),
             },
@@ -212,14 +217,22 @@ impl std::fmt::Display for Outcome {
         let Some(pruned) = &self.pruned else {
             return write!(f, "another pruner is at work on this schema: nothing done");
         };
+        let (open, drop, remove) = if pruned.dry_run {
+            ("would open", "would drop", "would remove")
+        } else {
+            ("opened", "dropped", "removed")
+        };
+        if pruned.dry_run {
+            writeln!(f, "a dry run: nothing is changed")?;
+        }
         if let Some(epoch) = pruned.opened {
-            writeln!(f, "opened epoch {epoch}")?;
+            writeln!(f, "{open} epoch {epoch}")?;
         }
         match pruned.dropped.as_slice() {
             [] => writeln!(f, "no epoch older than the window")?,
             epochs => writeln!(
                 f,
-                "dropped epoch{} {} (about {} consume records)",
+                "{drop} epoch{} {} (about {} consume records)",
                 if epochs.len() == 1 { "" } else { "s" },
                 epochs
                     .iter()
@@ -239,9 +252,10 @@ impl std::fmt::Display for Outcome {
         if let Some((ready, indexed)) = self.index_behind {
             writeln!(
                 f,
-                "kept every epoch: the dead-letter queue holds {ready} letter(s), the index \
-                 knows of {indexed}; `idem dlq sync` tells which of the others carry events \
-                 applied already"
+                "kept every epoch and the failure ledger: the dead-letter queue holds {ready} \
+                 letter(s), the index knows of {indexed}; `{} dlq sync` tells which of the \
+                 others carry events applied already",
+                crate::program::name()
             )?;
         }
         if let Some((epoch, letters)) = self.held_back {
@@ -253,8 +267,10 @@ impl std::fmt::Display for Outcome {
         }
         write!(
             f,
-            "removed {} failure ledger row(s) and {} sent outbox row(s) older than the window",
-            pruned.ledger_rows, pruned.outbox_rows
+            "{remove} {} failure ledger row(s), {} sent outbox row(s) and {} record(s) of \
+             given-up messages sent, older than the window (a letter still in the dead-letter \
+             queue keeps its event's ledger row and its death's record)",
+            pruned.ledger_rows, pruned.outbox_rows, pruned.given_up_rows
         )
     }
 }

@@ -54,8 +54,9 @@ pub struct Status {
     pub records: (i64, Option<SystemTime>),
     /// The consume records' epochs (of every group in the schema).
     pub epochs: EpochSummary,
-    /// Events of the group the failure ledger holds, counted up to
-    /// [`LEDGER_LOOK`]; `true` when it holds more.
+    /// Events of the group failing (a failure counted, neither applied nor
+    /// dead-lettered), counted up to [`LEDGER_LOOK`]; `true` when there are
+    /// more.
     pub failing: (i64, bool),
     /// The dead letters the index counts, per reason of their death, and
     /// when it was last synced.
@@ -158,8 +159,8 @@ impl fmt::Display for Status {
             (failing, false) => writeln!(f, "  failure ledger     {failing} event(s) failing")?,
             (failing, true) => writeln!(
                 f,
-                "  failure ledger     {failing} or more event(s) failing (`idem dlq summary` \
-                 counts those dead-lettered)"
+                "  failure ledger     {failing} or more event(s) failing (neither applied nor \
+                 dead-lettered; more rows than a status reads)"
             )?,
         }
         let reasons: Vec<String> = self
@@ -188,7 +189,8 @@ impl fmt::Display for Status {
             Some(ready) if i64::from(ready) != self.index.letters => write!(
                 f,
                 " (by the index, {synced}; the dead-letter queue holds {ready} ready: \
-                 `idem dlq sync` sets the index to it)"
+                 `{} dlq sync` sets the index to it)",
+                crate::program::name()
             ),
             _ => write!(f, " (by the index, {synced})"),
         }

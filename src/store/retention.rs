@@ -55,10 +55,16 @@ pub struct Pruned {
     /// ANALYZE keep close).
     pub records: i64,
     /// Failure ledger rows removed: events last failed before the cutoff,
-    /// whose messages are no longer anywhere.
+    /// whose messages are no longer anywhere (a letter the dead-letter index
+    /// still holds keeps its event's row, which `dlq` shows).
     pub ledger_rows: u64,
     /// Outbox rows removed: sent before the cutoff.
     pub outbox_rows: u64,
+    /// Records of deaths whose given-up messages were sent, from before the
+    /// cutoff, of letters the index no longer holds.
+    pub given_up_rows: u64,
+    /// Nothing was done: what a pass would do now (a dry run).
+    pub dry_run: bool,
 }
 
 /// How a pass of [`prune`] goes.
@@ -80,6 +86,11 @@ pub struct PruneConfig {
     /// (a dead letter's, say), and a replay after the drop would apply it
     /// again.
     pub keep_from: Option<i32>,
+    /// Change nothing: count what a pass would remove.
+    pub dry_run: bool,
+    /// Keep every failure-ledger row and record of a death: the dead-letter
+    /// queue holds letters the index does not know, which may need them.
+    pub keep_ledger: bool,
 }
 
 /// Rows a chunk of a removal deletes: short transactions, no long lock.
@@ -109,7 +120,10 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
             config.lock_timeout.as_millis().max(1)
         ))
         .await?;
-    let mut pruned = Pruned::default();
+    let mut pruned = Pruned {
+        dry_run: config.dry_run,
+        ..Pruned::default()
+    };
     // The database's clock, which dated the epochs and the rows.
     let now: SystemTime = client.query_one("SELECT now()", &[]).await?.try_get(0)?;
     let cutoff = now
@@ -121,7 +135,11 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
             .duration_since(current.opened_at)
             .is_ok_and(|open| open >= config.epoch_length)
     {
-        pruned.opened = unless_locked(open_epoch(&client).await)?;
+        pruned.opened = if config.dry_run {
+            Some(current.epoch + 1)
+        } else {
+            unless_locked(open_epoch(&client).await)?
+        };
     }
     for epoch in &epochs {
         match epoch.closed_at {
@@ -129,28 +147,23 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
                 if closed < cutoff && config.keep_from.is_none_or(|keep| epoch.epoch < keep) => {}
             _ => break,
         }
-        let Some(records) = unless_locked(drop_epoch(&mut client, epoch.epoch).await)? else {
-            break;
+        let records = if config.dry_run {
+            epoch_records(&client, epoch.epoch).await?
+        } else {
+            let Some(records) = unless_locked(drop_epoch(&mut client, epoch.epoch).await)? else {
+                break;
+            };
+            records
         };
         pruned.records += records;
         pruned.dropped.push(epoch.epoch);
     }
-    pruned.ledger_rows = remove_in_chunks(
-        &client,
-        "DELETE FROM mq_failure_ledger WHERE ctid = ANY(ARRAY(\
-             SELECT ctid FROM mq_failure_ledger WHERE last_failed_at < $1 LIMIT $2))",
-        cutoff,
-    )
-    .await?;
-    // A relay removes what it sent; rows marked sent were left by older
-    // relays, which marked them instead, and go once out of the window.
-    pruned.outbox_rows = remove_in_chunks(
-        &client,
-        "DELETE FROM mq_outbox WHERE id = ANY(ARRAY(\
-             SELECT id FROM mq_outbox WHERE sent_at < $1 ORDER BY id LIMIT $2))",
-        cutoff,
-    )
-    .await?;
+    let removed = |removal: &'static Removal| removal.run(&client, cutoff, config.dry_run);
+    if !config.keep_ledger {
+        pruned.ledger_rows = removed(&LEDGER).await?;
+        pruned.given_up_rows = removed(&GIVEN_UP).await?;
+    }
+    pruned.outbox_rows = removed(&OUTBOX).await?;
     Ok(Some(pruned))
 }
 
@@ -233,23 +246,7 @@ pub async fn current_records(client: &Client) -> Result<i64, StoreError> {
 /// records it held (the estimate).
 async fn drop_epoch(client: &mut Client, epoch: i32) -> Result<i64, StoreError> {
     let partition = format!("mq_consume_record_{epoch}");
-    let estimate: f32 = client
-        .query_one(
-            "SELECT reltuples FROM pg_class WHERE oid = $1::text::regclass",
-            &[&partition],
-        )
-        .await?
-        .try_get(0)?;
-    // A table never analyzed says -1: counted then (autovacuum analyzes
-    // a large one soon enough).
-    let records = if estimate >= 0.0 {
-        estimate as i64
-    } else {
-        client
-            .query_one(&format!("SELECT count(*) FROM {partition}"), &[])
-            .await?
-            .try_get(0)?
-    };
+    let records = epoch_records(client, epoch).await?;
     let tx = client.transaction().await?;
     tx.batch_execute(&format!("DROP TABLE {partition}")).await?;
     tx.execute("DELETE FROM mq_consume_epoch WHERE epoch = $1", &[&epoch])
@@ -272,6 +269,102 @@ pub(crate) fn unless_locked<T>(step: Result<T, StoreError>) -> Result<Option<T>,
 
 /// Runs `statement` (`$1` the cutoff, `$2` the chunk) until it removes
 /// nothing; returns the rows removed.
+/// About how many consume records epoch `epoch` holds: PostgreSQL's
+/// estimate, or a count for a partition never analyzed.
+async fn epoch_records(client: &Client, epoch: i32) -> Result<i64, StoreError> {
+    let partition = format!("mq_consume_record_{epoch}");
+    let estimate: f32 = client
+        .query_one(
+            "SELECT reltuples FROM pg_class WHERE oid = $1::text::regclass",
+            &[&partition],
+        )
+        .await?
+        .try_get(0)?;
+    // A table never analyzed says -1: counted then (autovacuum analyzes
+    // a large one soon enough).
+    if estimate >= 0.0 {
+        return Ok(estimate as i64);
+    }
+    Ok(client
+        .query_one(&format!("SELECT count(*) FROM {partition}"), &[])
+        .await?
+        .try_get(0)?)
+}
+
+/// Rows of one table that a pass removes once older than the window: those
+/// `condition` (of `row`, the window's start `$1`) holds for.
+struct Removal {
+    table: &'static str,
+    /// What a row is found by again: its primary key, or `ctid`.
+    key: &'static str,
+    condition: &'static str,
+}
+
+/// Failure ledger rows of events last failed before the window, whose
+/// letters are not in the dead-letter queue (`dlq` shows theirs).
+static LEDGER: Removal = Removal {
+    table: "mq_failure_ledger",
+    key: "ctid",
+    condition: "row.last_failed_at < $1 AND NOT EXISTS (SELECT FROM mq_dead_letter AS letter \
+                WHERE letter.consumer_group = row.consumer_group \
+                  AND letter.letter_key = 'event ' || row.event_id)",
+};
+
+/// Outbox rows sent before the window: a relay removes what it sent; rows
+/// marked sent were left by older relays, which marked them instead.
+static OUTBOX: Removal = Removal {
+    table: "mq_outbox",
+    key: "id",
+    condition: "row.sent_at < $1",
+};
+
+/// Records of deaths whose given-up messages were sent, before the window,
+/// of letters no longer in the index: a late copy of a letter still in the
+/// queue dies without sending again only while its death's record is there.
+static GIVEN_UP: Removal = Removal {
+    table: "mq_given_up",
+    key: "ctid",
+    condition: "row.given_up_at < $1 AND NOT EXISTS (SELECT FROM mq_dead_letter AS letter \
+                WHERE letter.consumer_group = row.consumer_group \
+                  AND letter.letter_key = row.letter_key)",
+};
+
+impl Removal {
+    /// Removes the rows older than `cutoff` a chunk at a time, or only
+    /// counts them (`dry_run`); how many.
+    async fn run(
+        &self,
+        client: &Client,
+        cutoff: SystemTime,
+        dry_run: bool,
+    ) -> Result<u64, StoreError> {
+        let Removal {
+            table,
+            key,
+            condition,
+        } = self;
+        if dry_run {
+            let count: i64 = client
+                .query_one(
+                    &format!("SELECT count(*) FROM {table} AS row WHERE {condition}"),
+                    &[&cutoff],
+                )
+                .await?
+                .try_get(0)?;
+            return Ok(u64::try_from(count).unwrap_or(0));
+        }
+        remove_in_chunks(
+            client,
+            &format!(
+                "DELETE FROM {table} WHERE {key} = ANY(ARRAY(\
+                     SELECT {key} FROM {table} AS row WHERE {condition} LIMIT $2))"
+            ),
+            cutoff,
+        )
+        .await
+    }
+}
+
 async fn remove_in_chunks(
     client: &Client,
     statement: &str,

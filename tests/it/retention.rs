@@ -497,17 +497,20 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     apply(&applier, &[&event(3)]).await?;
     let current = retention::open_epoch(&client).await?;
     apply(&applier, &[&event(4)]).await?;
-    // Old ledger and outbox rows, and new ones.
-    env.sql(
+    // Old ledger and outbox rows, and new ones; and an old ledger row of
+    // event 3, whose letter the dead-letter queue will hold.
+    env.sql(&format!(
         "INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, first_failed_at, \
              last_failed_at, last_error) VALUES \
              ('old', 'g', 1, now() - interval '30 days', now() - interval '30 days', 'x'), \
-             ('new', 'g', 1, now(), now(), 'x'); \
+             ('new', 'g', 1, now(), now(), 'x'), \
+             ('{}', '{GROUP}', 4, now() - interval '30 days', now() - interval '30 days', 'x'); \
          INSERT INTO mq_outbox (message_id, exchange, routing_key, body, sent_at) VALUES \
              (gen_random_uuid(), 'e', 'k', '', now() - interval '30 days'), \
              (gen_random_uuid(), 'e', 'k', '', now()), \
              (gen_random_uuid(), 'e', 'k', '', NULL);",
-    )
+        event(3).event_id
+    ))
     .await?;
 
     // A window shorter than the minimum is refused, in one line, and
@@ -551,7 +554,8 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     assert_eq!(code, Some(0), "{text}");
     assert!(
         text.contains(
-            "kept every epoch: the dead-letter queue holds 1 letter(s), the index knows of 0"
+            "kept every epoch and the failure ledger: the dead-letter queue holds 1 letter(s), \
+             the index knows of 0"
         ),
         "{text}"
     );
@@ -564,9 +568,26 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
         vec![a, b, current, current + 1],
         "{text}"
     );
-    // Once a sync has indexed it, its epoch and the later ones stay.
+    // Once a sync has indexed it, its epoch and the later ones stay. A dry
+    // run says so, and what would go, and changes nothing.
     let (code, text) = idem(&env, &["dlq", "sync"]).await?;
     assert_eq!(code, Some(0), "{text}");
+    let (code, text) = prune(&env, &["--older-than", "8d", "--dry-run"]).await?;
+    assert_eq!(code, Some(0), "{text}");
+    for said in [
+        "a dry run: nothing is changed".to_owned(),
+        format!("kept epoch {b} and later"),
+        format!("would drop epoch {a} (about 2 consume records)"),
+        "would remove 1 failure ledger row(s), 0 sent outbox row(s)".to_owned(),
+    ] {
+        assert!(text.contains(&said), "no {said:?} in:\n{text}");
+    }
+    assert_eq!(
+        epoch_numbers(&env).await?,
+        vec![a, b, current, current + 1],
+        "{text}"
+    );
+    assert_eq!(env.count_rows("mq_failure_ledger").await?, 3);
     let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
     assert_eq!(code, Some(0), "{text}");
     assert!(
@@ -584,7 +605,8 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     );
     assert_eq!(env.records_of(&event(1).event_id, GROUP).await?, 0);
     assert_eq!(env.records_of(&event(3).event_id, GROUP).await?, 1);
-    assert_eq!(env.count_rows("mq_failure_ledger").await?, 1);
+    // Event 3's old ledger row stays with its letter: `dlq list` shows it.
+    assert_eq!(env.count_rows("mq_failure_ledger").await?, 2);
     assert_eq!(env.count_rows("mq_outbox").await?, 2);
 
     // The letter goes by a purge, behind idem's back: the index still
@@ -620,6 +642,8 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     );
     assert_eq!(env.records_of(&event(3).event_id, GROUP).await?, 0);
     assert_eq!(env.records_of(&event(4).event_id, GROUP).await?, 1);
+    // Its letter gone, so is its ledger row.
+    assert_eq!(env.count_rows("mq_failure_ledger").await?, 1);
     Ok(())
 }
 

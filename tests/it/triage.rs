@@ -199,6 +199,27 @@ async fn a_summary_counts_dead_letters_per_reason_and_last_error() -> anyhow::Re
         stdout.contains("a replay would apply 3, find 1 applied already; 3 invalid or unknown"),
         "{stdout}"
     );
+    // Read from the index, as of each letter's death: it says so.
+    assert!(
+        stdout.contains("(applied as of each letter's death or the last sync: `idem dlq list` looks each up now)"),
+        "{stdout}"
+    );
+    // A listing's second number is the queue's letters, with a limit or not.
+    let (_, listed) = idem(&env, &["dlq", "list"]).await?;
+    let queue = &env.topology.dead_letter_queue;
+    assert!(
+        listed.contains(&format!("7 of 7 dead-lettered message(s) in {queue} match")),
+        "{listed}"
+    );
+    let (_, limited) = idem(&env, &["dlq", "list", "--limit", "2"]).await?;
+    assert!(
+        limited.contains(&format!(
+            "the first 2 dead-lettered message(s) in {} that match (the limit), of the 7 looked at; \
+             the queue holds 7 (nothing moved)",
+            env.topology.dead_letter_queue
+        )),
+        "{limited}"
+    );
     // The summary read the tally the index's triggers keep; one by time
     // reads the rows, and finds the same (every letter died within a day).
     for filter in [&[][..], &["--reason", "rejected"], &["--error", "poisoned"]] {
