@@ -125,6 +125,7 @@
 //!   `tools`).
 //! - [`generate`] — reproducible loads of payment events with duplicates.
 //! - [`vars`] — the environment variables the `idem` binary reads.
+//! - [`program`] — the binary's name, in the commands messages suggest.
 //! - [`duration`] — durations as flags and queue names write them.
 //! - [`progress`] — how far long work got: a bar, or lines.
 //! - [`backoff`] — the retry schedules.
@@ -150,6 +151,7 @@ pub mod handler;
 pub mod points;
 #[doc(hidden)]
 pub mod probe;
+pub mod program;
 pub mod progress;
 pub mod relay;
 pub mod secret;
@@ -160,6 +162,20 @@ pub mod tls;
 pub mod trial;
 pub mod vars;
 pub mod worker;
+
+/// The README's and the guide's Rust blocks, compiled by `cargo test` as
+/// doctests (what the pages hide with `# ` is the context each needs).
+#[cfg(doctest)]
+mod pages {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/guide/handler.md")]
+    struct Handler;
+    #[doc = include_str!("../docs/guide/outbox.md")]
+    struct Outbox;
+    #[doc = include_str!("../docs/guide/prove.md")]
+    struct Prove;
+}
 
 /// The connection pool behind [`handler::Transaction`].
 pub use deadpool_postgres;

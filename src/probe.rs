@@ -27,6 +27,10 @@ pub enum Point {
     /// A batch's transaction failed, for a reason of its messages: they are
     /// about to be applied one by one.
     BatchFailed,
+    /// The dead-letter index (and what the handler sends when it gives up
+    /// on a message) recorded the batch's dead letters; they are not yet
+    /// in the dead-letter queue. `events`: the letters' keys.
+    DeadLettered,
 }
 
 /// What the worker does once its probe answered.

@@ -22,8 +22,9 @@ use tracing::{info, warn};
 
 use crate::backoff::RECONNECT_PATIENCE;
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Outgoing, Reconnects, SessionError,
-    close, close_channel, connect_with_retry, settle,
+    AmqpConfig, ConfirmChannel, ConnectError, ConnectionWatch, Exchange, Outgoing, Reconnects,
+    SessionError, TopologyError, close, close_channel, connect_with_retry, declare_exchanges,
+    settle,
 };
 use crate::store::StoreError;
 use crate::store::outbox::{self, Unsent};
@@ -51,6 +52,8 @@ pub struct RelayConfig {
     /// two batches in flight on two database connections (the pool needs
     /// [`RelayConfig::connections`]).
     pub lanes: usize,
+    /// The exchanges the messages go to, declared at each connection.
+    pub outgoing: Vec<Exchange>,
 }
 
 impl RelayConfig {
@@ -82,6 +85,7 @@ impl RelayConfig {
             patience,
             until_empty: false,
             lanes: Self::DEFAULT_LANES,
+            outgoing: Vec::new(),
         }
     }
 }
@@ -117,6 +121,10 @@ pub enum RelayError {
     /// The broker ended every session without anything getting done.
     #[error(transparent)]
     Session(#[from] SessionError),
+    /// An outgoing exchange exists with other settings, or the user may
+    /// not declare it.
+    #[error(transparent)]
+    Topology(#[from] TopologyError),
 }
 
 /// How one batch ended.
@@ -159,6 +167,15 @@ pub async fn run(
         if !config.until_empty && patience != RECONNECT_PATIENCE {
             patience = RECONNECT_PATIENCE;
             reconnects = Reconnects::new(patience, "relaying the outbox");
+        }
+        match declare_exchanges(&connection, &config.outgoing).await {
+            Ok(()) => {}
+            Err(error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. })) => {
+                close(&connection).await;
+                return Err(error.into());
+            }
+            // The connection failed: the next one declares them.
+            Err(_) => {}
         }
         let _watch = ConnectionWatch::start(&connection, "relaying the outbox");
         let sent_before = counters.sent.get();

@@ -14,4 +14,7 @@ pub use publisher::{
     ConfirmChannel, Nacks, Outgoing, PublishOptions, PublishReport, Refusal, publish_all,
     publish_showing, settle,
 };
-pub use topology::{Topology, TopologyError, declare_bound_queue, queue_counts, ready_messages};
+pub use topology::{
+    Exchange, ExchangeKind, Topology, TopologyError, declare_bound_queue, declare_exchanges,
+    queue_counts, ready_messages,
+};

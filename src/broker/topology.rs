@@ -8,7 +8,7 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection, ExchangeKind};
+use lapin::{Channel, Connection, ExchangeKind as AmqpKind};
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
@@ -41,6 +41,111 @@ pub struct Topology {
     /// (`x-quorum-initial-group-size`; a cluster of fewer nodes gives each
     /// node one). A queue that exists keeps the replicas it has.
     pub quorum_size: u32,
+}
+
+/// An exchange a service publishes to (its outbox's messages): declared by
+/// the worker and the relay before they publish, as the work queue is, so
+/// that a relay's messages are not refused for want of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exchange {
+    /// Its name.
+    pub name: String,
+    /// How it routes.
+    pub kind: ExchangeKind,
+    /// Whether it survives a broker restart.
+    pub durable: bool,
+}
+
+/// How an [`Exchange`] routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeKind {
+    /// By routing-key pattern.
+    Topic,
+    /// By routing key.
+    Direct,
+    /// To every bound queue.
+    Fanout,
+    /// By headers.
+    Headers,
+}
+
+impl Exchange {
+    /// A durable topic exchange.
+    pub fn topic(name: impl Into<String>) -> Self {
+        Self::of(name, ExchangeKind::Topic)
+    }
+
+    /// A durable direct exchange.
+    pub fn direct(name: impl Into<String>) -> Self {
+        Self::of(name, ExchangeKind::Direct)
+    }
+
+    /// A durable fanout exchange.
+    pub fn fanout(name: impl Into<String>) -> Self {
+        Self::of(name, ExchangeKind::Fanout)
+    }
+
+    /// A durable exchange of `kind`.
+    pub fn of(name: impl Into<String>, kind: ExchangeKind) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+            durable: true,
+        }
+    }
+
+    /// The same exchange, gone when the broker restarts.
+    pub fn transient(self) -> Self {
+        Self {
+            durable: false,
+            ..self
+        }
+    }
+
+    /// Declares it on `channel`.
+    async fn declare(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let options = ExchangeDeclareOptions {
+            durable: self.durable,
+            ..ExchangeDeclareOptions::default()
+        };
+        channel
+            .exchange_declare(
+                self.name.as_str().into(),
+                self.lapin_kind(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| {
+                TopologyError::from_lapin(format!("exchange '{}'", self.name), source)
+            })
+    }
+
+    fn lapin_kind(&self) -> AmqpKind {
+        match self.kind {
+            ExchangeKind::Topic => AmqpKind::Topic,
+            ExchangeKind::Direct => AmqpKind::Direct,
+            ExchangeKind::Fanout => AmqpKind::Fanout,
+            ExchangeKind::Headers => AmqpKind::Headers,
+        }
+    }
+}
+
+/// Declares `exchanges` on a channel of their own; idempotent. One that
+/// exists with another kind or durability is a [`TopologyError::Mismatch`].
+pub async fn declare_exchanges(
+    connection: &Connection,
+    exchanges: &[Exchange],
+) -> Result<(), TopologyError> {
+    if exchanges.is_empty() {
+        return Ok(());
+    }
+    let channel = open(connection, "the outgoing exchanges").await?;
+    for exchange in exchanges {
+        exchange.declare(&channel).await?;
+    }
+    super::close_channel(&channel).await;
+    Ok(())
 }
 
 /// The broker refused a declaration.
@@ -305,18 +410,11 @@ impl Topology {
     /// loss of its node).
     pub async fn declare(&self, connection: &Connection) -> Result<(), TopologyError> {
         let mut channel = open(connection, "the topology").await?;
-        let durable = ExchangeDeclareOptions {
-            durable: true,
-            ..ExchangeDeclareOptions::default()
-        };
-        for (name, kind) in [
-            (&self.exchange, ExchangeKind::Topic),
-            (&self.dead_letter_exchange, ExchangeKind::Direct),
+        for exchange in [
+            Exchange::topic(&self.exchange),
+            Exchange::direct(&self.dead_letter_exchange),
         ] {
-            channel
-                .exchange_declare(name.as_str().into(), kind, durable, FieldTable::default())
-                .await
-                .map_err(|e| TopologyError::from_lapin(format!("exchange '{name}'"), e))?;
+            exchange.declare(&channel).await?;
         }
         for (name, arguments) in self.queue_arguments() {
             channel = self

@@ -336,7 +336,8 @@ async fn apply<H: Handler>(
     let messages: Vec<_> = outbox.into_messages().collect();
     let written = messages
         .iter()
-        .map(|(id, index, message)| (*id, *index, message.clone()));
+        .map(|(id, index, message)| (*id, *index, message.clone()))
+        .collect();
     crate::store::outbox::write(tx, consumer_group, written)
         .await
         .and(tx.execute("SELECT 1", &[]).await)

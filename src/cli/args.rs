@@ -447,10 +447,14 @@ pub(crate) struct RetentionArgs {
 /// `prune`.
 #[derive(Debug, Args)]
 pub(crate) struct PruneArgs {
-    /// Remove what is older than this (e.g. 7d): an epoch once its newest
-    /// record is.
+    /// Remove what is older than this (e.g. 7d): a closed epoch of consume
+    /// records once even its newest record is older, and the ledger and
+    /// sent outbox rows last written before it.
     #[arg(long)]
     pub(crate) older_than: Wait,
+    /// Change nothing: say what would be removed, and what is kept and why.
+    #[arg(long)]
+    pub(crate) dry_run: bool,
     #[command(flatten)]
     pub(crate) retention: RetentionArgs,
     /// The group's retry delays (as the worker's --retry-delays): the
@@ -472,12 +476,15 @@ pub(crate) struct PruneArgs {
 impl PruneArgs {
     /// Settings of `prune`.
     pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
-        Ok(self.retention.settings(
-            self.target.config(Filter::default(), None)?,
-            self.queue.clone(),
-            self.older_than.0,
-            &self.retry_delays,
-        ))
+        Ok(PruneSettings {
+            dry_run: self.dry_run,
+            ..self.retention.settings(
+                self.target.config(Filter::default(), None)?,
+                self.queue.clone(),
+                self.older_than.0,
+                &self.retry_delays,
+            )
+        })
     }
 }
 
@@ -502,6 +509,7 @@ impl RetentionArgs {
                 self.epoch_length.as_ref().map(|length| length.0),
             ),
             lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
+            dry_run: false,
         }
     }
 }
@@ -593,8 +601,8 @@ pub(crate) enum DlqAction {
     Discard(DiscardArgs),
     /// Set the dead-letter index to what the queue holds (browsing every
     /// letter and giving it back): for letters that came by other ways than
-    /// idem's worker, or after an upgrade; summary and prune do it when the
-    /// queue holds letters the index does not count.
+    /// idem's worker, or after an upgrade; summary, status and prune say
+    /// when the queue holds letters the index does not count, and name this.
     Sync(DlqTargetArgs),
 }
 

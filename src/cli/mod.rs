@@ -52,17 +52,18 @@ pub use args::{
     AmqpArgs, DatabaseArgs, Delays, RouteArgs, ServerArgs, SettingError, Wait, WaitArgs, choice,
 };
 
-use crate::broker::Topology;
+use crate::broker::{Exchange, Topology};
 use crate::check;
 use crate::commands::{prune, reconcile, status};
 use crate::dlq::{self, Printed};
+use crate::duration;
 use crate::handler::Handler;
 use crate::progress::Progress;
 use crate::relay;
 use crate::store::{ReadyError, Store, migrate};
 use crate::telemetry::{self, LogFormat};
 use crate::vars;
-use crate::worker::{Worker, WorkerConfig, WorkerError};
+use crate::worker::{Mode, Worker, WorkerConfig, WorkerError};
 use args::{
     CheckArgs, DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs,
     WorkerArgs,
@@ -90,8 +91,9 @@ pub fn run<H: Handler>(handler: H) -> ExitCode {
 pub struct Service<H, X = NoCommands, F = NoFlags> {
     /// The effect every command works for.
     handler: H,
-    /// The binary's name, in its help and in the line an error ends with.
-    name: String,
+    /// The binary's name, in its help and in the line an error ends with;
+    /// `None`: the name it was started under.
+    name: Option<String>,
     /// The first line of its help.
     about: Option<String>,
     /// What `--version` prints.
@@ -100,6 +102,11 @@ pub struct Service<H, X = NoCommands, F = NoFlags> {
     topology: Topology,
     /// The default of `--consumer-group`.
     consumer_group: String,
+    /// Defaults of other flags the service set, by argument id
+    /// (`max_attempts`), as the flag would write them.
+    settings: Vec<(&'static str, String)>,
+    /// Where the handler's messages go: declared by `worker` and `relay`.
+    outgoing: Vec<Exchange>,
     /// The service's own subcommands and worker flags.
     own: PhantomData<fn() -> (X, F)>,
 }
@@ -229,21 +236,24 @@ impl<H: Handler> Service<H> {
     pub fn new(handler: H) -> Self {
         Self {
             handler,
-            name: H::NAME.to_owned(),
+            name: None,
             about: None,
             version: None,
             topology: Topology::for_queue(H::NAME),
             consumer_group: H::NAME.to_owned(),
+            settings: Vec::new(),
+            outgoing: Vec::new(),
             own: PhantomData,
         }
     }
 }
 
 impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
-    /// The binary's name, for its help and its errors.
+    /// The binary's name, for its help, its errors and the commands its
+    /// messages suggest [default: the name it was started under].
     pub fn name(self, name: impl Into<String>) -> Self {
         Self {
-            name: name.into(),
+            name: Some(name.into()),
             ..self
         }
     }
@@ -256,7 +266,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         }
     }
 
-    /// What `--version` prints.
+    /// What `--version` prints, before idem's version.
     pub fn version(self, version: impl Into<String>) -> Self {
         Self {
             version: Some(version.into()),
@@ -264,8 +274,10 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         }
     }
 
-    /// The defaults of the topology flags (`--exchange`, `--routing-key`,
-    /// `--queue`, `--dead-letter-exchange`, `--dead-letter-queue`).
+    /// The defaults of the topology flags of every command (`--exchange`,
+    /// `--routing-key`, `--queue`, `--dead-letter-exchange`,
+    /// `--dead-letter-queue`, `--retry-delays`, `--delivery-limit`,
+    /// `--quorum-size`): set once here, every command agrees.
     pub fn topology(self, topology: Topology) -> Self {
         Self { topology, ..self }
     }
@@ -276,6 +288,42 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             consumer_group: group.into(),
             ..self
         }
+    }
+
+    /// The default of `--max-attempts`: genuine failures after which a
+    /// message is dead-lettered.
+    pub fn max_attempts(self, attempts: u32) -> Self {
+        self.setting("max_attempts", attempts.to_string())
+    }
+
+    /// The default of the worker's `--mode`.
+    pub fn mode(self, mode: Mode) -> Self {
+        self.setting("mode", mode.as_flag().to_owned())
+    }
+
+    /// The default of the worker's `--batch-size`.
+    pub fn batch_size(self, deliveries: u32) -> Self {
+        self.setting("batch_size", deliveries.to_string())
+    }
+
+    /// The default of the worker's `--prefetch`.
+    pub fn prefetch(self, deliveries: u16) -> Self {
+        self.setting("prefetch", deliveries.to_string())
+    }
+
+    /// An exchange the handler's messages go to ([`Handler::outgoing`],
+    /// [`Handler::given_up`], [`Outbox::send`](crate::handler::Outbox::send)):
+    /// `worker` and `relay` declare it, so that the relay's messages are
+    /// not refused for want of it.
+    pub fn sends_to(mut self, exchange: Exchange) -> Self {
+        self.outgoing.push(exchange);
+        self
+    }
+
+    fn setting(mut self, id: &'static str, value: String) -> Self {
+        self.settings.retain(|(known, _)| *known != id);
+        self.settings.push((id, value));
+        self
     }
 
     /// Subcommands of the service's own, listed after idem's.
@@ -297,32 +345,71 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             version: self.version,
             topology: self.topology,
             consumer_group: self.consumer_group,
+            settings: self.settings,
+            outgoing: self.outgoing,
             own: PhantomData,
         }
     }
 
-    /// The whole command line, as `--help` shows it.
+    /// The whole command line, as `--help` shows it, for the binary this
+    /// process runs.
     pub fn command(&self) -> clap::Command {
+        self.command_named(&self.binary_name(std::env::args_os().next().as_deref()))
+    }
+
+    /// The binary's name: the one the service gave, else the file name it
+    /// was started under (`argv0`), else the handler's.
+    fn binary_name(&self, argv0: Option<&std::ffi::OsStr>) -> String {
+        let started_as = argv0
+            .map(std::path::Path::new)
+            .and_then(std::path::Path::file_name)
+            .map(|name| name.to_string_lossy().into_owned());
+        self.name
+            .clone()
+            .or(started_as)
+            .unwrap_or_else(|| H::NAME.to_owned())
+    }
+
+    /// [`command`](Service::command) for the binary `name`.
+    fn command_named(&self, name: &str) -> clap::Command {
         let about = self.about.clone().unwrap_or_else(|| {
             format!(
-                "{}: the {} handler's worker and operator commands, on idem",
-                self.name,
+                "{name}: the {} handler's worker and operator commands, on idem",
                 H::NAME
             )
         });
-        let mut command = Cli::<X, F>::command().name(self.name.clone()).about(about);
-        if let Some(version) = &self.version {
-            command = command.version(version.clone());
-        }
+        // Its version, and idem's, which every subcommand answers too.
+        let idem = concat!("idem ", env!("CARGO_PKG_VERSION"));
+        let version = match &self.version {
+            // idem's own binary.
+            _ if name == "idem" => env!("CARGO_PKG_VERSION").to_owned(),
+            Some(version) => format!("{version} ({idem})"),
+            None => format!("({idem})"),
+        };
+        let command = Cli::<X, F>::command()
+            .name(name.to_owned())
+            .about(about)
+            .version(version)
+            .propagate_version(true);
         let topology = &self.topology;
-        let defaults = [
-            ("exchange", &topology.exchange),
-            ("routing_key", &topology.routing_key),
-            ("queue", &topology.queue),
-            ("dead_letter_exchange", &topology.dead_letter_exchange),
-            ("dead_letter_queue", &topology.dead_letter_queue),
-            ("consumer_group", &self.consumer_group),
+        let mut defaults: Vec<(&str, String)> = vec![
+            ("exchange", topology.exchange.clone()),
+            ("routing_key", topology.routing_key.clone()),
+            ("queue", topology.queue.clone()),
+            (
+                "dead_letter_exchange",
+                topology.dead_letter_exchange.clone(),
+            ),
+            ("dead_letter_queue", topology.dead_letter_queue.clone()),
+            ("consumer_group", self.consumer_group.clone()),
+            (
+                "retry_delays",
+                duration::format_list(&topology.retry_delays),
+            ),
+            ("delivery_limit", topology.delivery_limit.to_string()),
+            ("quorum_size", topology.quorum_size.to_string()),
         ];
+        defaults.extend(self.settings.iter().map(|(id, value)| (*id, value.clone())));
         with_defaults(command, &defaults)
     }
 
@@ -340,7 +427,9 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         T: Into<OsString> + Clone,
     {
         let args: Vec<OsString> = args.into_iter().map(Into::into).collect();
-        let command = self.command();
+        let name = self.binary_name(args.first().map(OsString::as_os_str));
+        crate::program::set(&name);
+        let command = self.command_named(&name);
         let cli = match command
             .clone()
             .try_get_matches_from(&args)
@@ -363,7 +452,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                     blame_env(&usage_error(&e), &e, &command, &args),
                     asked(&command, &args)
                 );
-                telemetry::fatal_as(&self.name, log_format_asked(&args), &line);
+                telemetry::fatal_as(&name, log_format_asked(&args), &line);
                 return ExitCode::from(2);
             }
         };
@@ -374,7 +463,6 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Command::Check(_) => CHECK_LOG_FILTER,
             _ => DEFAULT_LOG_FILTER,
         };
-        let name = self.name.clone();
         let _telemetry = match telemetry::install(&name, filter, format) {
             Ok(telemetry) => telemetry,
             Err(e) => {
@@ -479,7 +567,8 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             }
             Command::Worker(args) => {
                 let args = *args;
-                let config = args.config()?;
+                let mut config = args.config()?;
+                config.outgoing.clone_from(&self.outgoing);
                 let handler = Arc::new(handler);
                 let pruner = args.pruner()?.map(|(settings, interval)| {
                     let shutdown = shutdown.child_token();
@@ -500,7 +589,9 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 }
                 worked?;
             }
-            Command::Relay(args) => return relay_outbox::<H>(&args, &shutdown).await,
+            Command::Relay(args) => {
+                return relay_outbox::<H>(&args, &self.outgoing, &shutdown).await;
+            }
             Command::Prune(args) => {
                 let settings = args.config()?;
                 let outcome = prune::run(&settings, &handler, &shutdown).await?;
@@ -564,9 +655,11 @@ async fn prove<H: Handler>(
 /// `relay`: publishes the outbox until shutdown, or until it is empty.
 async fn relay_outbox<H: Handler>(
     args: &RelayArgs,
+    outgoing: &[Exchange],
     shutdown: &CancellationToken,
 ) -> anyhow::Result<ExitCode> {
-    let (config, database) = args.config();
+    let (mut config, database) = args.config();
+    config.outgoing = outgoing.to_vec();
     let pool = database.pool()?;
     // The outbox is idem's: the handler's history is only checked for being there.
     match Store::new(pool.clone(), "")
@@ -630,7 +723,7 @@ async fn dead_letters<H: Handler>(
 
 /// `command` with each argument of `defaults` (by id) defaulting to its
 /// value, in every subcommand that has it; one left empty stays required.
-fn with_defaults(mut command: clap::Command, defaults: &[(&str, &String)]) -> clap::Command {
+fn with_defaults(mut command: clap::Command, defaults: &[(&str, String)]) -> clap::Command {
     for (id, value) in defaults {
         let present = command.get_arguments().any(|arg| arg.get_id() == *id);
         if present && !value.is_empty() {

@@ -295,6 +295,8 @@ async fn remove_oldest_day(pool: Pool, epochs: usize) -> anyhow::Result<(Vec<i32
         epoch_length: Duration::from_secs(365 * day),
         lock_timeout: crate::commands::prune::PruneSettings::DEFAULT_LOCK_TIMEOUT,
         keep_from: None,
+        dry_run: false,
+        keep_ledger: false,
     };
     let pruned = crate::store::retention::prune(&pool, &config)
         .await?

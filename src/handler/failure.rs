@@ -12,9 +12,10 @@ pub enum FailureKind {
     /// trigger, a value out of range): it counts against its retry budget.
     Message,
     /// This message can never apply, by a rule of the business (an unknown
-    /// SKU, an order that was cancelled): it is dead-lettered at once, with
-    /// the reason as its last error, and spends no attempts. idem's own
-    /// classification never says it; a handler's may.
+    /// SKU, an order that was cancelled): it is dead-lettered after this one
+    /// failure (the ledger counts it, with the reason as its last error),
+    /// without the retries of its other attempts. idem's own classification
+    /// never says it; a handler's may.
     Permanent,
     /// The database is unreachable, restarting, overloaded, misconfigured or
     /// lost a race (serialization, deadlock): not the message's fault, so

@@ -16,7 +16,8 @@ use std::future::Future;
 pub use deadpool_postgres::Transaction;
 
 pub use failure::{FailureKind, classify, classify_sqlstate};
-pub use outbox::{Outbox, OutboxMessage, message_id};
+pub(crate) use outbox::given_up_name;
+pub use outbox::{Outbox, OutboxMessage, given_up_id, message_id};
 
 /// Longest deduplication key, in characters: `mq_consume_record.event_id`.
 pub const MAX_EVENT_ID_CHARS: usize = 128;
@@ -143,6 +144,48 @@ pub trait Handler: Send + Sync + 'static {
         let _ = event;
         Vec::new()
     }
+
+    /// Messages that say idem gave up on a message (a rejection to the
+    /// payer, a fault notice, as MassTransit's `Fault<T>` and NServiceBus's
+    /// failed-message events do), called when idem dead-letters it: an
+    /// event that can never apply ([`HandlerError::Permanent`]) or used up
+    /// its attempts, or a body that is no valid event. idem writes them to
+    /// the outbox in the transaction that records the dead letter in its
+    /// index, before the letter goes to the dead-letter queue, and a relay
+    /// publishes them as it does [`outgoing`](Handler::outgoing)'s, under
+    /// idempotency keys of their own ([`given_up_id`]).
+    ///
+    /// Once per death: a copy that dies again without having been replayed
+    /// (a worker that stopped before the broker heard of the first death, a
+    /// second copy of the event) writes nothing more; a letter replayed (once
+    /// its cause is fixed) that dies again writes them anew. Set
+    /// [`SENDS_MESSAGES`](Handler::SENDS_MESSAGES) when this can return any.
+    /// The default sends nothing; a panic sends nothing and is logged.
+    fn given_up(&self, given_up: &GivenUp<'_, Self::Event>) -> Vec<OutboxMessage> {
+        let _ = given_up;
+        Vec::new()
+    }
+}
+
+/// A message idem gave up on, as [`Handler::given_up`] sees it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum GivenUp<'a, E> {
+    /// A valid event: it can never apply, or it used up its attempts.
+    Event {
+        /// The event.
+        event: &'a E,
+        /// Why, as the dead-letter index keeps it (the last error).
+        error: &'a str,
+    },
+    /// A body that is no valid event: [`Handler::decode`] refused it, or
+    /// its event id broke idem's rules.
+    Invalid {
+        /// The body, as it came.
+        body: &'a [u8],
+        /// Why it is invalid.
+        reason: &'a str,
+    },
 }
 
 /// A shared handler is the same handler: what lets one value serve a
@@ -181,6 +224,10 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
 
     fn outgoing(&self, event: &Self::Event) -> Vec<OutboxMessage> {
         (**self).outgoing(event)
+    }
+
+    fn given_up(&self, given_up: &GivenUp<'_, Self::Event>) -> Vec<OutboxMessage> {
+        (**self).given_up(given_up)
     }
 }
 
@@ -309,11 +356,61 @@ impl HandlerError {
         Self::Permanent(reason.into())
     }
 
+    /// This message can never apply, for `reason`, which the failure ledger
+    /// and the dead-letter index keep and `dlq summary` groups letters by;
+    /// `detail` (which account, which order) goes into the worker's log
+    /// line with the event id, and leaves the grouping alone.
+    pub fn permanent_for(reason: impl fmt::Display, detail: impl fmt::Display) -> Self {
+        Self::Permanent(Box::new(Detailed::new(reason, detail)))
+    }
+
+    /// This message failed, for `reason`, with `detail` kept out of the
+    /// grouping as [`permanent_for`](HandlerError::permanent_for) does.
+    pub fn message_for(reason: impl fmt::Display, detail: impl fmt::Display) -> Self {
+        Self::Message(Box::new(Detailed::new(reason, detail)))
+    }
+
     /// The infrastructure failed, with `reason`.
     pub fn infrastructure(reason: impl Into<BoxError>) -> Self {
         Self::Infrastructure(reason.into())
     }
 }
+
+/// A failure's reason, which groups dead letters, and its detail, which
+/// does not: what [`HandlerError::permanent_for`] and
+/// [`HandlerError::message_for`] carry. It displays as its reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Detailed {
+    reason: String,
+    detail: String,
+}
+
+impl Detailed {
+    fn new(reason: impl fmt::Display, detail: impl fmt::Display) -> Self {
+        Self {
+            reason: reason.to_string(),
+            detail: detail.to_string(),
+        }
+    }
+
+    /// What groups the letters: the ledger's last error.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+
+    /// What only the log line says.
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+}
+
+impl fmt::Display for Detailed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+impl std::error::Error for Detailed {}
 
 /// idem's own rule for a deduplication key, whatever the handler returns.
 pub(crate) fn check_event_id(event_id: &str) -> Result<(), Invalid> {

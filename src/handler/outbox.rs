@@ -51,6 +51,27 @@ pub fn message_id(consumer_group: &str, event_id: &str, index: usize) -> uuid::U
     uuid::Uuid::new_v5(&OUTBOX_NAMESPACE, name.as_bytes())
 }
 
+/// The idempotency key of the `index`-th message [`Handler::given_up`]
+/// returned when `consumer_group` dead-letters the letter `letter_key`
+/// (`event <id>`, or `body <digest>` for an invalid body) after `replays`
+/// replays: the same for every copy of that death, another after a replay.
+///
+/// [`Handler::given_up`]: super::Handler::given_up
+pub fn given_up_id(
+    consumer_group: &str,
+    letter_key: &str,
+    replays: i64,
+    index: usize,
+) -> uuid::Uuid {
+    message_id(consumer_group, &given_up_name(letter_key, replays), index)
+}
+
+/// What stands for the event in the key of a death's messages: no event id
+/// holds a newline, so no key of [`message_id`] is one of these.
+pub(crate) fn given_up_name(letter_key: &str, replays: i64) -> String {
+    format!("{letter_key}\ngiven up {replays}")
+}
+
 /// The namespace of [`message_id`]'s UUIDs: idem's own, fixed forever.
 const OUTBOX_NAMESPACE: uuid::Uuid =
     uuid::Uuid::from_u128(0x6f1c_2e0a_9b57_4d3e_8a41_5c7e_b2d9_0f13);

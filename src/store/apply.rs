@@ -10,7 +10,9 @@ use tokio_postgres::error::SqlState;
 use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
-use crate::handler::{FailureKind, Handler, HandlerError, Outbox, Tally, Transaction};
+use crate::handler::{
+    BoxError, Detailed, FailureKind, Handler, HandlerError, Outbox, Tally, Transaction,
+};
 use crate::probe::{self, Point, Verdict};
 
 /// The first pause before a transaction a flush did not confirm runs
@@ -25,14 +27,37 @@ pub struct Failure {
     pub kind: FailureKind,
     /// What went wrong, as the failure ledger keeps it.
     pub reason: String,
+    /// What the handler said of it beyond the reason
+    /// ([`HandlerError::permanent_for`]), for the log line only.
+    pub detail: Option<String>,
+}
+
+impl Failure {
+    /// A failure of `kind`, for `reason`.
+    pub fn new(kind: FailureKind, reason: impl Into<String>) -> Self {
+        Self {
+            kind,
+            reason: reason.into(),
+            detail: None,
+        }
+    }
+
+    /// A failure of `kind` the handler reported with `error`: its reason,
+    /// and its detail when it gave one.
+    fn of(kind: FailureKind, error: &BoxError) -> Self {
+        match error.downcast_ref::<Detailed>() {
+            Some(detailed) => Self {
+                detail: Some(detailed.detail().to_owned()),
+                ..Self::new(kind, detailed.reason())
+            },
+            None => Self::new(kind, error.to_string()),
+        }
+    }
 }
 
 impl From<StoreError> for Failure {
     fn from(error: StoreError) -> Self {
-        Self {
-            kind: error.kind(),
-            reason: error.to_string(),
-        }
+        Self::new(error.kind(), error.to_string())
     }
 }
 
@@ -226,7 +251,7 @@ impl<H: Handler> Applier<H> {
     async fn before_commit(&self, ids: &[&str]) -> Result<(), Failure> {
         match probe::reach(&self.probe, Point::BeforeCommit, ids).await {
             Verdict::Go => Ok(()),
-            Verdict::Fail { kind, reason } => Err(Failure { kind, reason }),
+            Verdict::Fail { kind, reason } => Err(Failure::new(kind, reason)),
         }
     }
 
@@ -300,10 +325,10 @@ impl<H: Handler> Applier<H> {
         let (claimed, unflushed) = caught::future(self.attempt(events, !first_deliveries))
             .await
             .unwrap_or_else(|panic| {
-                Err(Failure {
-                    kind: FailureKind::Message,
-                    reason: format!("the transaction {panic}"),
-                })
+                Err(Failure::new(
+                    FailureKind::Message,
+                    format!("the transaction {panic}"),
+                ))
             })?;
         Ok(Committed { claimed, unflushed })
     }
@@ -464,27 +489,15 @@ impl<H: Handler> Applier<H> {
             Some(_) => self.handler.classify(error),
             None => FailureKind::Infrastructure,
         };
-        Failure {
-            kind,
-            reason: describe(error),
-        }
+        Failure::new(kind, describe(error))
     }
 
     fn handler_failure(&self, error: HandlerError) -> Failure {
         match error {
             HandlerError::Database(error) => self.database_failure(&error),
-            HandlerError::Message(error) => Failure {
-                kind: FailureKind::Message,
-                reason: error.to_string(),
-            },
-            HandlerError::Permanent(error) => Failure {
-                kind: FailureKind::Permanent,
-                reason: error.to_string(),
-            },
-            HandlerError::Infrastructure(error) => Failure {
-                kind: FailureKind::Infrastructure,
-                reason: error.to_string(),
-            },
+            HandlerError::Message(error) => Failure::of(FailureKind::Message, &error),
+            HandlerError::Permanent(error) => Failure::of(FailureKind::Permanent, &error),
+            HandlerError::Infrastructure(error) => Failure::of(FailureKind::Infrastructure, &error),
         }
     }
 }

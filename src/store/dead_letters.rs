@@ -32,6 +32,71 @@ pub struct DeadLetter {
     pub dead_at: Option<SystemTime>,
 }
 
+/// What a handler sends when idem gives up on a message
+/// ([`Handler::given_up`](crate::handler::Handler::given_up)): written once
+/// per death of the letter `key`, one told apart from another by how often
+/// the message was replayed before.
+#[derive(Debug, Clone)]
+pub(crate) struct GivenUpMessages {
+    /// The letter's key in the index.
+    pub(crate) key: String,
+    /// Replays of the message before it died.
+    pub(crate) replays: i64,
+    /// The messages, in the order the handler gave them.
+    pub(crate) messages: Vec<crate::handler::OutboxMessage>,
+}
+
+/// Claims the deaths of `given_up` (`mq_given_up`) that no earlier copy
+/// claimed, and writes their messages to the outbox, in `tx`: the one that
+/// records the letters in the index. Returns how many deaths sent.
+pub(super) async fn write_given_up(
+    tx: &impl GenericClient,
+    consumer_group: &str,
+    given_up: &[GivenUpMessages],
+) -> Result<usize, tokio_postgres::Error> {
+    let sending: Vec<&GivenUpMessages> =
+        given_up.iter().filter(|g| !g.messages.is_empty()).collect();
+    if sending.is_empty() {
+        return Ok(0);
+    }
+    let keys: Vec<&str> = sending.iter().map(|g| g.key.as_str()).collect();
+    let replays: Vec<i32> = sending
+        .iter()
+        .map(|g| i32::try_from(g.replays).unwrap_or(i32::MAX))
+        .collect();
+    let claim = tx
+        .prepare_cached(
+            "INSERT INTO mq_given_up (consumer_group, letter_key, replays) \
+             SELECT $1, death.key, death.replays \
+             FROM unnest($2::varchar[], $3::int[]) AS death(key, replays) ORDER BY 2, 3 \
+             ON CONFLICT DO NOTHING RETURNING letter_key, replays",
+        )
+        .await?;
+    let claimed: Vec<(String, i32)> = tx
+        .query(&claim, &[&consumer_group, &keys, &replays])
+        .await?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
+    let deaths: Vec<(String, &GivenUpMessages)> = sending
+        .iter()
+        .filter(|g| {
+            claimed
+                .iter()
+                .any(|(key, replays)| *key == g.key && i64::from(*replays) == g.replays)
+        })
+        .map(|g| (crate::handler::given_up_name(&g.key, g.replays), *g))
+        .collect();
+    let mut messages = Vec::new();
+    for (name, death) in &deaths {
+        for (index, message) in death.messages.iter().enumerate() {
+            messages.push((name.as_str(), index, message.clone()));
+        }
+    }
+    super::outbox::write(tx, consumer_group, messages).await?;
+    Ok(deaths.len())
+}
+
 /// The key of a valid event's letters.
 pub fn event_key(event_id: &str) -> String {
     format!("event {event_id}")

@@ -35,6 +35,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(10, "0010_dead_letter_index.sql"),
     migration!(11, "0011_dead_letter_summary_tally.sql"),
     migration!(12, "0012_closed_epochs_refuse_records.sql"),
+    migration!(13, "0013_given_up_messages.sql"),
 ];
 
 /// The newest version of `migrations`; 0 for none.
@@ -211,6 +212,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 12);
+        assert_eq!(latest(MIGRATIONS), 13);
     }
 }

@@ -33,6 +33,7 @@ pub use apply::{Applier, Claimed, Failure, apply_tally};
 #[cfg(feature = "tools")]
 pub(crate) use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded, straight_claim_and_tally_statement};
+pub(crate) use dead_letters::GivenUpMessages;
 pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
 pub(crate) use failure::describe;
@@ -335,7 +336,8 @@ pub enum ReadyError {
     },
     /// The tables are missing or older than this idem or its handler.
     #[error(
-        "in {server}, {search_path} is at migration {found} of {history}, this idem needs {needed}: run `idem migrate` first"
+        "in {server}, {search_path} is at migration {found} of {history}, this idem needs {needed}: run `{} migrate` first",
+        crate::program::name()
     )]
     NotMigrated {
         /// The database.
@@ -429,13 +431,11 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
             }
         }
     }
-    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .map_err(|error| ConfigError::Tls(error.to_string()))?
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(crate::tls::provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|error| ConfigError::Tls(error.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
     Ok(MakeRustlsConnect::new(config))
 }
 
@@ -681,17 +681,21 @@ impl Store {
         Ok((row.try_get(0)?, row.try_get(1)?))
     }
 
-    /// How many events of this consumer group the failure ledger holds,
-    /// looking at no more than `at_most` of its rows (a status costs the
-    /// same whatever the ledger holds); `true` with the count when there
-    /// were more to look at.
+    /// How many events of this consumer group are failing: a failure
+    /// counted in the ledger, neither applied since nor dead-lettered (the
+    /// dead-letter index holds none of their letters); looking at no more
+    /// than `at_most` of them (a status costs the same whatever the ledger
+    /// holds); `true` with the count when there were more to look at.
     pub async fn failing(&self, at_most: i64) -> Result<(i64, bool), StoreError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
                 // Not the rows of events recorded since (see `ledger::EXHAUSTED`).
                 "WITH looked AS MATERIALIZED (\
-                     SELECT event_id FROM mq_failure_ledger WHERE consumer_group = $1 \
+                     SELECT event_id FROM mq_failure_ledger AS ledger WHERE consumer_group = $1 \
+                     AND NOT EXISTS (SELECT FROM mq_dead_letter AS letter \
+                         WHERE letter.consumer_group = $1 \
+                           AND letter.letter_key = 'event ' || ledger.event_id) \
                      LIMIT $2::bigint + 1) \
                  SELECT count(*) FILTER (WHERE event_id NOT IN (\
                             SELECT recorded.event_id FROM mq_recorded(\
@@ -717,11 +721,29 @@ impl Store {
     /// Counts one more copy of each of `letters` in the dead-letter index:
     /// they are about to be dead-lettered.
     pub async fn index_dead_letters(&self, letters: &[DeadLetter]) -> Result<(), StoreError> {
+        self.dead_lettered(letters, &[]).await
+    }
+
+    /// [`Store::index_dead_letters`], and in the same transaction the
+    /// messages the handler sends when it is given up on, for each death
+    /// no copy sent them for before.
+    pub(crate) async fn dead_lettered(
+        &self,
+        letters: &[DeadLetter],
+        given_up: &[GivenUpMessages],
+    ) -> Result<(), StoreError> {
         if letters.is_empty() {
             return Ok(());
         }
-        let client = self.pool.get().await?;
-        Ok(dead_letters::write(&client, &self.consumer_group, letters, None).await?)
+        let mut client = self.pool.get().await?;
+        if given_up.iter().all(|death| death.messages.is_empty()) {
+            return Ok(dead_letters::write(&client, &self.consumer_group, letters, None).await?);
+        }
+        let tx = client.transaction().await?;
+        dead_letters::write(&tx, &self.consumer_group, letters, None).await?;
+        dead_letters::write_given_up(&tx, &self.consumer_group, given_up).await?;
+        tx.commit().await?;
+        Ok(())
     }
 
     /// Takes one copy of each of `keys` off the dead-letter index: their

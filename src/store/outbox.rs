@@ -114,12 +114,12 @@ pub(super) fn insert_statement() -> String {
 /// Writes `messages` (an event's id, the message's index among that
 /// event's, the message) to the outbox in `tx`, keyed in `group`, as a
 /// transaction that applies their events does.
-pub(crate) async fn write<'e>(
+pub(crate) async fn write(
     tx: &impl GenericClient,
     group: &str,
-    messages: impl Iterator<Item = (&'e str, usize, OutboxMessage)>,
+    messages: Vec<(&str, usize, OutboxMessage)>,
 ) -> Result<(), tokio_postgres::Error> {
-    let rows = Rows::of_messages(group, messages);
+    let rows = Rows::of_messages(group, messages.into_iter());
     if rows.is_empty() {
         return Ok(());
     }

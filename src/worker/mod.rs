@@ -34,8 +34,8 @@ pub use stats::{Snapshot, Stats};
 
 use crate::backoff::RECONNECT_PATIENCE;
 use crate::broker::{
-    AmqpConfig, ConnectError, ConnectionWatch, Topology, TopologyError, close, close_channel,
-    connect_with_retry,
+    AmqpConfig, ConnectError, ConnectionWatch, Exchange, Topology, TopologyError, close,
+    close_channel, connect_with_retry, declare_exchanges,
 };
 use crate::caught;
 use crate::handler::Handler;
@@ -168,6 +168,9 @@ pub struct WorkerConfig {
     /// How the consume records' epochs are kept: when the next one opens,
     /// and how much memory the closed ones' filters may take.
     pub epochs: EpochSettings,
+    /// The exchanges the handler's messages go to, declared with the
+    /// topology (by the worker's relay too).
+    pub outgoing: Vec<Exchange>,
 }
 
 impl WorkerConfig {
@@ -230,6 +233,7 @@ impl WorkerConfig {
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
             relay: true,
             epochs: EpochSettings::default(),
+            outgoing: Vec::new(),
         }
     }
 
@@ -560,7 +564,8 @@ fn start_relay(
     config: &WorkerConfig,
     counters: crate::relay::RelayCounters,
 ) -> Result<RelayTask, WorkerError> {
-    let relay = crate::relay::RelayConfig::new(config.amqp.clone(), config.startup_timeout);
+    let mut relay = crate::relay::RelayConfig::new(config.amqp.clone(), config.startup_timeout);
+    relay.outgoing.clone_from(&config.outgoing);
     let pool = DatabaseConfig {
         pool_size: relay.connections(),
         ..config.database.clone()
@@ -667,7 +672,11 @@ async fn session<H: Handler>(
     // queue), and a watch listening then would take that for a lost
     // connection. Unwatched, lapin drops those errors; by the time
     // `declare` returns, it has dropped all of them.
-    match config.topology.declare(connection).await {
+    let declared = async {
+        config.topology.declare(connection).await?;
+        declare_exchanges(connection, &config.outgoing).await
+    };
+    match declared.await {
         Ok(()) => {}
         Err(error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. })) => {
             return Err(error.into());

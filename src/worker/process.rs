@@ -22,12 +22,12 @@ use super::health::{DatabaseHealth, Hold};
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
 use crate::broker::Topology;
-use crate::broker::death::may_follow_an_attempt;
+use crate::broker::death::{may_follow_an_attempt, replays};
 use crate::caught;
-use crate::handler::{FailureKind, Handler, Invalid, check_event_id};
+use crate::handler::{FailureKind, GivenUp, Handler, Invalid, check_event_id};
 use crate::probe::{self, Point};
 use crate::store::dead_letters::{body_key, event_key};
-use crate::store::{Applier, DeadLetter, Failure, Store};
+use crate::store::{Applier, DeadLetter, Failure, GivenUpMessages, Store};
 use crate::telemetry::trace;
 
 /// A delivery whose body is a valid event.
@@ -68,6 +68,8 @@ pub(crate) struct Decided {
     pub(crate) dead: Vec<Delivery>,
     /// What the dead-letter index is told before the letters go out.
     dead_letters: Vec<DeadLetter>,
+    /// What the handler sends for the letters, written with the index.
+    given_up: Vec<GivenUpMessages>,
 }
 
 impl Decided {
@@ -160,26 +162,84 @@ impl<H: Handler> Processor<H> {
                         "invalid message: dead-lettering it"
                     );
                     self.stats.invalid(1);
-                    decided.dead_letter(&self.topology, delivery, None, Some(invalid.to_string()));
+                    let reason = invalid.to_string();
+                    self.give_up(&mut decided, delivery, None, Some(reason.clone()), &reason);
                 }
             }
         }
         self.apply(items, &mut decided, Some(slot)).await;
-        self.index(&decided.dead_letters).await;
+        self.index(&decided.dead_letters, &decided.given_up).await;
+        if self.probe.is_some() && !decided.dead_letters.is_empty() {
+            let keys: Vec<&str> = decided
+                .dead_letters
+                .iter()
+                .map(|l| l.key.as_str())
+                .collect();
+            probe::reach(&self.probe, Point::DeadLettered, &keys).await;
+        }
         decided
+    }
+
+    /// Dead-letters `item`, whose transaction failed for good with `failure`.
+    fn give_up_failed(&self, decided: &mut Decided, item: Item<H::Event>, failure: &Failure) {
+        self.stats.dead_lettered(1);
+        let error = Some(failure.reason.clone());
+        self.give_up(
+            decided,
+            item.delivery,
+            Some(&item.event),
+            error,
+            &failure.reason,
+        );
+    }
+
+    /// Dead-letters `delivery` (of `event`, when it is a valid one; `error`
+    /// for the index when the failure ledger does not say), with the
+    /// messages the handler sends when it gives up on it, for `why`.
+    fn give_up(
+        &self,
+        decided: &mut Decided,
+        delivery: Delivery,
+        event: Option<&H::Event>,
+        error: Option<String>,
+        why: &str,
+    ) {
+        let event_id = event.map(|event| self.handler().event_id(event).to_owned());
+        let given_up = match event {
+            Some(event) => GivenUp::Event { event, error: why },
+            None => GivenUp::Invalid {
+                body: &delivery.data,
+                reason: why,
+            },
+        };
+        let messages =
+            caught::call(|| self.handler().given_up(&given_up)).unwrap_or_else(|panic| {
+                warn!(%panic, "the handler's given_up panicked: no message says this letter died");
+                Vec::new()
+            });
+        if !messages.is_empty() {
+            decided.given_up.push(GivenUpMessages {
+                key: event_id
+                    .as_deref()
+                    .map_or_else(|| body_key(&delivery.data), event_key),
+                replays: replays(delivery.properties.headers().as_ref()),
+                messages,
+            });
+        }
+        decided.dead_letter(&self.topology, delivery, event_id.as_deref(), error);
     }
 
     /// Writes the batch's dead letters into the index, before they are
     /// rejected: the index never lacks a letter idem dead-lettered. While
     /// the database is unavailable the batch waits, as any; a write it
     /// refuses is logged, and the next `idem dlq sync` finds the letters.
-    async fn index(&self, letters: &[DeadLetter]) {
+    async fn index(&self, letters: &[DeadLetter], given_up: &[GivenUpMessages]) {
         if letters.is_empty() {
             return;
         }
         let written = self
             .until_database_answers(
-                || self.store().index_dead_letters(letters),
+                || self.store().dead_lettered(letters, given_up),
                 |error| error.kind() == FailureKind::Infrastructure,
             )
             .await;
@@ -187,7 +247,8 @@ impl<H: Handler> Processor<H> {
             warn!(
                 %error,
                 letters = letters.len(),
-                "cannot write the dead-letter index; `idem dlq sync` will find these letters"
+                "cannot write the dead-letter index; `{} dlq sync` will find these letters",
+                crate::program::name()
             );
         }
     }
@@ -347,8 +408,8 @@ impl<H: Handler> Processor<H> {
                 "out of attempts before the last restart: dead-lettering it"
             );
             self.stats.dead_lettered(1);
-            let event_id = self.event_id(&item).to_owned();
-            decided.dead_letter(&self.topology, item.delivery, Some(&event_id), None);
+            let why = format!("used up its {} attempts", self.max_attempts);
+            self.give_up(decided, item.delivery, Some(&item.event), None, &why);
         }
         rest
     }
@@ -380,13 +441,12 @@ impl<H: Handler> Processor<H> {
                 event.id = %event_id,
                 max_attempts = self.max_attempts,
                 error = %failure,
+                error.detail = failure.detail.as_deref(),
                 "transaction failed and the event was out of attempts before this copy arrived: \
                  dead-lettering it"
             );
             self.stats.failed(1);
-            self.stats.dead_lettered(1);
-            let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
+            self.give_up_failed(decided, item, failure);
             return;
         }
         let counted = self
@@ -404,11 +464,10 @@ impl<H: Handler> Processor<H> {
                 delivery.tag = item.tag(),
                 event.id = %event_id,
                 error = %failure,
+                error.detail = failure.detail.as_deref(),
                 "the handler says the message can never apply: dead-lettering it now"
             );
-            self.stats.dead_lettered(1);
-            let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
+            self.give_up_failed(decided, item, failure);
             return;
         }
         let spent = failures >= self.max_attempts;
@@ -429,12 +488,11 @@ impl<H: Handler> Processor<H> {
             max_attempts = self.max_attempts,
             retry.delay_ms = (!spent).then_some(delay.as_millis() as u64),
             error = %failure,
+            error.detail = failure.detail.as_deref(),
             "{outcome}"
         );
         if spent {
-            self.stats.dead_lettered(1);
-            let error = Some(failure.reason.clone());
-            decided.dead_letter(&self.topology, item.delivery, Some(event_id), error);
+            self.give_up_failed(decided, item, failure);
         } else if delay.is_zero() {
             self.stats.retried(1, delay);
             decided.settle(item.tag(), Disposition::Retry);

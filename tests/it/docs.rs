@@ -132,3 +132,26 @@ fn the_anchors_are_made_as_the_book_makes_them() {
     assert!(made.contains("metrics-and-health---http-addr"), "{made:?}");
     assert!(links("see [a](b.md#c) and [d](#e)\n```\n[x](y)\n```") == ["b.md#c", "#e"]);
 }
+
+/// Every page with a Rust block is compiled by `cargo test`: listed in the
+/// crate's `pages` module, whose doctests they become.
+#[test]
+fn every_page_with_rust_is_compiled_as_doctests() -> anyhow::Result<()> {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs"))?;
+    for page in pages()? {
+        let text = std::fs::read_to_string(&page)?;
+        if !text.lines().any(|line| line.starts_with("```rust")) {
+            continue;
+        }
+        let relative = page
+            .strip_prefix(root())
+            .context("a page outside the repository")?
+            .display()
+            .to_string();
+        anyhow::ensure!(
+            lib.contains(&format!("include_str!(\"../{relative}\")")),
+            "{relative} has Rust blocks that src/lib.rs does not compile (mod pages)"
+        );
+    }
+    Ok(())
+}

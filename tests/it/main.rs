@@ -49,3 +49,4 @@ mod tls;
 mod toolbox;
 mod traces;
 mod triage;
+mod wallet;

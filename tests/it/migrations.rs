@@ -147,6 +147,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0010_dead_letter_index.sql",
             "0011_dead_letter_summary_tally.sql",
             "0012_closed_epochs_refuse_records.sql",
+            "0013_given_up_messages.sql",
             "points/0001_user_points.sql"
         ]
     );

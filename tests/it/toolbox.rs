@@ -119,12 +119,27 @@ mod check {
 fn build_outside_crate() -> anyhow::Result<(tempfile_dir::Dir, PathBuf)> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let dir = tempfile_dir::Dir::new()?;
+    // The dependencies the README tells a service to take, idem's from here.
+    let readme = std::fs::read_to_string(root.join("README.md"))?;
+    let stanza = readme
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .context("no ```toml block in the README")?;
+    ensure!(
+        stanza.contains("idem = { version = "),
+        "the README's stanza names no idem version:\n{stanza}"
+    );
+    let dependencies = stanza.replacen(
+        "idem = { version = \"0.1\"",
+        &format!("idem = {{ path = {:?}", root.display().to_string()),
+        1,
+    );
     let manifest = format!(
         "[package]\nname = \"inventory\"\nversion = \"0.1.0\"\nedition = \"2024\"\n\n\
-         [dependencies]\nidem = {{ path = {:?}, default-features = false, features = [\"cli\"] }}\n\n\
+         {dependencies}\n\
          [dev-dependencies]\ntokio = {{ version = \"1\", features = [\"macros\", \"rt-multi-thread\"] }}\n\n\
-         [workspace]\n",
-        root.display().to_string()
+         [workspace]\n"
     );
     std::fs::write(dir.path().join("Cargo.toml"), manifest)?;
     // The versions idem is tested with.

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::PublishOptions;
+use idem::broker::{Exchange, PublishOptions};
 use idem::cli::{
     AmqpArgs, Commands, DatabaseArgs, RouteArgs, SettingError, Wait, WaitArgs, WorkerFlags,
     WorkerStart, choice,
@@ -94,8 +94,9 @@ impl Commands<Points> for Tools {
 #[derive(Debug, Args)]
 pub(crate) struct Credits {
     /// Send a `points.credited` message for every credit, through the
-    /// outbox, to this exchange (`points.events`, say; its consumers declare
-    /// it and bind their queues) [default: send nothing].
+    /// outbox, to this topic exchange (`points.events`, say), which the
+    /// worker declares; its consumers bind their queues to it [default:
+    /// send nothing].
     #[arg(long, env = vars::CREDITS_EXCHANGE)]
     pub(crate) credits_exchange: Option<String>,
 }
@@ -107,7 +108,11 @@ impl WorkerFlags<Points> for Credits {
         worker: WorkerStart,
     ) -> Result<(), WorkerError> {
         match self.credits_exchange {
-            Some(exchange) => worker.run(handler.announcing(exchange)).await,
+            Some(exchange) => {
+                let mut worker = worker;
+                worker.config.outgoing.push(Exchange::topic(&exchange));
+                worker.run(handler.announcing(exchange)).await
+            }
             None => worker.run(handler).await,
         }
     }
