@@ -417,8 +417,11 @@ async fn requeue_cut_off_mid_way(cut: impl FnOnce(&Proxy)) -> anyhow::Result<()>
     }
     worker.stop().await?;
 
+    // Paced (two seconds for the 800), so that the cut lands while the
+    // replay is under way: unpaced, a quick one could end between the wait
+    // for the first 300 and the cut.
     let replay_all = idem::dlq::Action::Replay {
-        rate: None,
+        rate: Some(400.0),
         include_invalid: true,
     };
     let report =
