@@ -6,7 +6,8 @@
 //! runs it inside the transaction that records the event's consume record,
 //! acks after commit, counts genuine failures, dead-letters what cannot be
 //! applied, holds deliveries through an outage, batches, and replays. The
-//! `idem` binary runs the reference handler, [`points`].
+//! `idem` binary of idem's repository runs the reference handler, points
+//! (the `idem-points` crate beside this one).
 //!
 //! # Your effect, idem's guarantees
 //!
@@ -97,18 +98,17 @@
 //!
 //! # Features
 //!
-//! - `cli` — [`cli`], and with it clap, indicatif and csv.
-//! - `tools` (default, implies `cli`) — the points binary's `publish`,
-//!   `demo`, `bench` and `lab`, and Redis for the lab.
+//! - `cli` (default) — [`cli`], and with it clap, indicatif and csv.
+//! - `otlp` (default) — idem's spans exported over OTLP (HTTP) when
+//!   `OTEL_EXPORTER_OTLP_ENDPOINT` is set.
 //!
 //! A service that runs only [`worker::Worker`] depends on idem with
-//! `default-features = false` and gets none of them.
+//! `default-features = false` and gets neither.
 //!
 //! # Layout
 //!
 //! - [`handler`] — the extension point: the trait a team implements to put
 //!   its own effect under idem's guarantees.
-//! - [`points`] — the reference handler: a payment credits an order's points.
 //! - [`store`] — PostgreSQL: pool, migrations, the claim-and-apply
 //!   transaction, the failure ledger, the classification of failures.
 //! - [`broker`] — RabbitMQ: connections, topology, confirmed publishing,
@@ -121,9 +121,7 @@
 //! - [`check`] — a handler proved under idem's faults against its events
 //!   applied one at a time (`check`, and from a team's own tests).
 //! - [`commands`] — what the other commands do: `status`, `prune`,
-//!   `reconcile`; `publish`, `demo`, `bench` and `lab` for points (feature
-//!   `tools`).
-//! - [`generate`] — reproducible loads of payment events with duplicates.
+//!   `reconcile`.
 //! - [`vars`] — the environment variables the `idem` binary reads.
 //! - [`program`] — the binary's name, in the commands messages suggest.
 //! - [`duration`] — durations as flags and queue names write them.
@@ -134,7 +132,7 @@
 //! - [`telemetry`] — logging.
 
 // The crate docs link to the modules of the default features.
-#![cfg_attr(not(feature = "tools"), allow(rustdoc::broken_intra_doc_links))]
+#![cfg_attr(not(feature = "cli"), allow(rustdoc::broken_intra_doc_links))]
 
 pub mod backoff;
 pub mod broker;
@@ -145,10 +143,7 @@ pub mod cli;
 pub mod commands;
 pub mod dlq;
 pub mod duration;
-#[cfg(feature = "tools")]
-pub mod generate;
 pub mod handler;
-pub mod points;
 #[doc(hidden)]
 pub mod probe;
 pub mod program;

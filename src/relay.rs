@@ -493,7 +493,8 @@ async fn count_unsent(pool: &Pool, counters: &RelayCounters) {
 
 /// The message as published: persistent, with its idempotency key as the
 /// `message_id` and in an [`IDEMPOTENCY_KEY`] header.
-pub(crate) fn outgoing(message: &Unsent) -> Outgoing {
+#[doc(hidden)]
+pub fn outgoing(message: &Unsent) -> Outgoing {
     let mut headers = FieldTable::default();
     for (name, value) in &message.headers {
         headers.insert(

@@ -1,9 +1,37 @@
 //! The command line of a points binary, as idem's is built.
 
 use super::*;
-use crate::points::{self, Points};
+use crate::handler::Invalid;
 use crate::store::DatabaseConfig;
 use crate::worker::Mode;
+
+/// A handler named as the points service's; its effect is never run here.
+struct Points;
+
+impl Handler for Points {
+    type Event = String;
+
+    const NAME: &'static str = "points";
+
+    fn decode(&self, body: &[u8]) -> Result<String, Invalid> {
+        Ok(String::from_utf8(body.to_vec())?)
+    }
+
+    fn event_id<'e>(&self, event: &'e String) -> &'e str {
+        event
+    }
+}
+
+/// The points service's topology and consumer group.
+mod points {
+    use crate::broker::Topology;
+
+    pub(super) const CONSUMER_GROUP: &str = "points-consumer-group";
+
+    pub(super) fn topology() -> Topology {
+        Topology::for_queue("points.payment-succeeded").bound_to("payments", "payment.succeeded")
+    }
+}
 
 fn service() -> Service<Points> {
     Service::new(Points)

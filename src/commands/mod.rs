@@ -2,17 +2,7 @@
 //! Each takes typed settings and returns a report for `main` to print; the
 //! dead letters they read are [`crate::dlq`]'s, and none imports another.
 
-#[cfg(feature = "tools")]
-pub mod bench;
-#[cfg(feature = "tools")]
-pub mod contender;
-#[cfg(feature = "tools")]
-pub mod demo;
-#[cfg(feature = "tools")]
-pub mod lab;
 pub mod prune;
-#[cfg(feature = "tools")]
-pub mod publish;
 #[cfg(feature = "cli")]
 pub mod reconcile;
 pub mod status;

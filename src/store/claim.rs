@@ -164,8 +164,8 @@ pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
 /// their digests, `$4`…`$7` what the filters said), the effect (`$1` keys,
 /// `$2` amounts), the ledger clear (`$1` and `$2` as the claim). For tools that measure it (`idem bench
 /// --pgbench`).
-#[cfg(feature = "tools")]
-pub(crate) fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
+#[doc(hidden)]
+pub fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
     [
         claim_statement(),
         tally_statement(tally),

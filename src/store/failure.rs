@@ -79,7 +79,7 @@ fn describe_pool(error: &PoolError) -> String {
 }
 
 /// The first line of a PostgreSQL error, with its SQLSTATE when there is one.
-pub(crate) fn describe(error: &tokio_postgres::Error) -> String {
+pub fn describe(error: &tokio_postgres::Error) -> String {
     match error.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         None => match std::error::Error::source(error) {

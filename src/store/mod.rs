@@ -30,13 +30,14 @@ use tracing::warn;
 
 pub(crate) use apply::RERUN_PAUSE;
 pub use apply::{Applier, Claimed, Failure, apply_tally};
-#[cfg(feature = "tools")]
-pub(crate) use claim::general_path_statements;
+#[doc(hidden)]
+pub use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded, straight_claim_and_tally_statement};
 pub(crate) use dead_letters::GivenUpMessages;
 pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
-pub(crate) use failure::describe;
+#[doc(hidden)]
+pub use failure::describe;
 pub use filter::Filters;
 pub use flush::Lanes;
 pub use ledger::LedgerEntry;

@@ -72,7 +72,8 @@ where
 }
 
 /// Whether spans go to OpenTelemetry: a [`layer`] was built.
-pub(crate) fn on() -> bool {
+#[doc(hidden)]
+pub fn on() -> bool {
     ON.load(Ordering::Relaxed)
 }
 

@@ -11,29 +11,29 @@ use crate::broker::{AmqpConfig, Outgoing, PublishOptions, publish_all};
 /// A run's load: how often each event is in it, and how many consumers
 /// share it.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Load {
+pub struct Load {
     /// How often each event is published.
-    pub(crate) repeats: Repeats,
+    pub repeats: Repeats,
     /// Consumers at once: a lab's strategy's, or a check's workers.
-    pub(crate) consumers: usize,
+    pub consumers: usize,
 }
 
 /// How a run's load repeats its events: what the lab and a check both
 /// send, so that a duplicate is the same thing in both.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Repeats {
+pub struct Repeats {
     /// Copies of every event, back to back.
-    pub(crate) copies: usize,
+    pub copies: usize,
     /// Extra copies of random events, as a share of them (0.1: one in
     /// ten), each at a random place.
-    pub(crate) extra: f64,
+    pub extra: f64,
     /// Seed of where the extra copies go.
-    pub(crate) seed: u64,
+    pub seed: u64,
 }
 
 impl Repeats {
     /// Every event once, nothing more.
-    pub(crate) fn once(seed: u64) -> Self {
+    pub fn once(seed: u64) -> Self {
         Self {
             copies: 1,
             extra: 0.0,
@@ -42,7 +42,7 @@ impl Repeats {
     }
 
     /// The messages of `bodies` (one per event), in publishing order.
-    pub(crate) fn of(&self, bodies: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    pub fn of(&self, bodies: &[Vec<u8>]) -> Vec<Vec<u8>> {
         let mut rng = fastrand::Rng::with_seed(self.seed);
         let mut load: Vec<Vec<u8>> = Vec::with_capacity(bodies.len() * self.copies);
         for body in bodies {
@@ -65,7 +65,7 @@ impl Repeats {
 /// Publishes `bodies` as JSON to `exchange` with `routing_key`, with
 /// publisher confirms and `mandatory`; an error unless the broker confirmed
 /// every one within `patience`.
-pub(crate) async fn publish(
+pub async fn publish(
     amqp: &AmqpConfig,
     exchange: &str,
     routing_key: &str,
