@@ -1,12 +1,17 @@
 //! The migrations: idem's own (`sql/`, embedded) and each handler's, applied
 //! in order under an advisory lock so that instances starting together do
 //! not race, and tracked apart (`idem_schema_migrations`,
-//! `idem_handler_migrations`) so that each can evolve.
+//! `idem_handler_migrations`) so that each can evolve; each with its
+//! checksum, which refuses a schema whose applied migration was edited since.
+//! Then idem's functions (`sql/functions`), each applied again when its text
+//! is new to the schema (`sql/functions/README.md`).
 
 use std::time::Duration;
 
 use deadpool_postgres::{Pool, Transaction};
+use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
+use tracing::info;
 
 use super::StoreError;
 use crate::handler::{Handler, Migration};
@@ -36,7 +41,50 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(11, "0011_dead_letter_summary_tally.sql"),
     migration!(12, "0012_closed_epochs_refuse_records.sql"),
     migration!(13, "0013_given_up_messages.sql"),
+    migration!(14, "0014_migration_checksums.sql"),
 ];
+
+/// One of idem's functions: its current definition, a file of
+/// `sql/functions`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Function {
+    /// The function's name, which is the file's.
+    pub(crate) name: &'static str,
+    /// `CREATE OR REPLACE FUNCTION …`, one or several.
+    pub(crate) sql: &'static str,
+}
+
+macro_rules! function {
+    ($name:literal) => {
+        Function {
+            name: $name,
+            sql: include_str!(concat!("../../sql/functions/", $name, ".sql")),
+        }
+    };
+}
+
+/// idem's functions, in the order they are applied: a function whose body
+/// is SQL (checked when it is created) after those it calls.
+pub(crate) const FUNCTIONS: &[Function] = &[
+    function!("mq_epoch_lock"),
+    function!("mq_rotation_lock"),
+    function!("mq_digest"),
+    function!("mq_close_partition"),
+    function!("mq_open_epoch"),
+    function!("mq_rotate"),
+    function!("mq_recorded"),
+    function!("mq_claim"),
+    function!("mq_dead_letter_error_tally_add"),
+    function!("mq_dead_letter_tally"),
+];
+
+/// The checksum a migration or a function is recorded with: the SHA-256 of
+/// its text, in hex, with Windows line ends read as `\n` (a checkout that
+/// converts them edits nothing).
+pub(crate) fn checksum(sql: &str) -> String {
+    let digest = Sha256::digest(sql.replace("\r\n", "\n").as_bytes());
+    digest.iter().map(|byte| format!("{byte:02x}")).collect()
+}
 
 /// The newest version of `migrations`; 0 for none.
 pub fn latest(migrations: &[Migration]) -> i32 {
@@ -60,6 +108,19 @@ pub enum MigrateError {
         handler: &'static str,
         /// What is wrong.
         problem: String,
+    },
+    /// A migration the schema applied differs from the one of the same
+    /// version this build would apply: it was edited after it landed.
+    #[error(
+        "migration {name} of {history} was applied to this schema with other text than this \
+         build's: a migration must not be edited once applied; restore its text, and put the \
+         change in a new migration"
+    )]
+    Edited {
+        /// Whose migrations: `idem`, or `handler <name>`.
+        history: String,
+        /// The migration's file name.
+        name: &'static str,
     },
 }
 
@@ -95,7 +156,15 @@ const CREATE_HISTORY: &str = "\
     CREATE TABLE IF NOT EXISTS idem_schema_migrations (\
         version    INTEGER PRIMARY KEY, \
         name       TEXT NOT NULL, \
-        applied_at TIMESTAMPTZ NOT NULL DEFAULT now())";
+        applied_at TIMESTAMPTZ NOT NULL DEFAULT now(), \
+        checksum   TEXT)";
+
+/// Whether idem's history has its checksums: not when an idem from before
+/// them made it.
+const HISTORY_HAS_CHECKSUMS: &str = "\
+    SELECT EXISTS (SELECT FROM pg_attribute \
+                   WHERE attrelid = 'idem_schema_migrations'::regclass \
+                     AND attname = 'checksum' AND NOT attisdropped)";
 
 /// Applies, in one transaction, idem's migrations not yet applied and then
 /// handler `H`'s, and returns their names (a handler's prefixed with its
@@ -123,46 +192,181 @@ pub async fn run<H: Handler>(
             .await?;
     }
     tx.batch_execute(CREATE_HISTORY).await?;
+    if !tx.query_one(HISTORY_HAS_CHECKSUMS, &[]).await?.try_get(0)? {
+        tx.batch_execute("ALTER TABLE idem_schema_migrations ADD COLUMN checksum TEXT")
+            .await?;
+    }
     let mut applied = Vec::new();
-    let done = versions(&tx, "SELECT version FROM idem_schema_migrations", &[]).await?;
-    for migration in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
-        tx.batch_execute(migration.sql).await?;
-        tx.execute(
-            "INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)",
-            &[&migration.version, &migration.name],
-        )
+    History::Idem.migrate(&tx, MIGRATIONS, &mut applied).await?;
+    History::Handler(H::NAME)
+        .migrate(&tx, H::MIGRATIONS, &mut applied)
         .await?;
-        applied.push(migration.name.to_owned());
-    }
-    let done = versions(
-        &tx,
-        "SELECT version FROM idem_handler_migrations WHERE handler = $1",
-        &[&H::NAME],
-    )
-    .await?;
-    for migration in H::MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
-        tx.batch_execute(migration.sql).await?;
-        tx.execute(
-            "INSERT INTO idem_handler_migrations (handler, version, name) VALUES ($1, $2, $3)",
-            &[&H::NAME, &migration.version, &migration.name],
-        )
-        .await?;
-        applied.push(format!("{}/{}", H::NAME, migration.name));
-    }
+    apply_functions(&tx, &mut applied).await?;
     tx.commit().await?;
     Ok(applied)
 }
 
-async fn versions(
+/// A history of migrations: idem's, or one handler's.
+#[derive(Debug, Clone, Copy)]
+enum History {
+    Idem,
+    Handler(&'static str),
+}
+
+impl History {
+    /// `idem`, or `handler <name>`.
+    fn name(self) -> String {
+        match self {
+            Self::Idem => "idem".to_owned(),
+            Self::Handler(handler) => format!("handler {handler}"),
+        }
+    }
+
+    /// A migration's name as `migrate` reports it.
+    fn named(self, migration: &Migration) -> String {
+        match self {
+            Self::Idem => migration.name.to_owned(),
+            Self::Handler(handler) => format!("{handler}/{}", migration.name),
+        }
+    }
+
+    /// The versions applied, with their checksums (none for those applied
+    /// before checksums were kept).
+    async fn recorded(
+        self,
+        tx: &Transaction<'_>,
+    ) -> Result<Vec<(i32, Option<String>)>, tokio_postgres::Error> {
+        let rows = match self {
+            Self::Idem => {
+                tx.query("SELECT version, checksum FROM idem_schema_migrations", &[])
+                    .await?
+            }
+            Self::Handler(handler) => {
+                tx.query(
+                    "SELECT version, checksum FROM idem_handler_migrations WHERE handler = $1",
+                    &[&handler],
+                )
+                .await?
+            }
+        };
+        rows.iter()
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .collect()
+    }
+
+    /// Records `checksum` for `version`, applied now or before checksums
+    /// were kept.
+    async fn record(
+        self,
+        tx: &Transaction<'_>,
+        migration: &Migration,
+        checksum: &str,
+    ) -> Result<(), tokio_postgres::Error> {
+        match self {
+            Self::Idem => {
+                tx.execute(
+                    "INSERT INTO idem_schema_migrations (version, name, checksum) \
+                     VALUES ($1, $2, $3) \
+                     ON CONFLICT (version) DO UPDATE SET checksum = EXCLUDED.checksum",
+                    &[&migration.version, &migration.name, &checksum],
+                )
+                .await?
+            }
+            Self::Handler(handler) => {
+                tx.execute(
+                    "INSERT INTO idem_handler_migrations (handler, version, name, checksum) \
+                     VALUES ($1, $2, $3, $4) \
+                     ON CONFLICT (handler, version) DO UPDATE SET checksum = EXCLUDED.checksum",
+                    &[&handler, &migration.version, &migration.name, &checksum],
+                )
+                .await?
+            }
+        };
+        Ok(())
+    }
+
+    /// Checks the checksums of what the schema applied of `migrations`
+    /// (giving those recorded without one theirs), then applies the rest,
+    /// adding their names to `applied`.
+    async fn migrate(
+        self,
+        tx: &Transaction<'_>,
+        migrations: &[Migration],
+        applied: &mut Vec<String>,
+    ) -> Result<(), MigrateError> {
+        let recorded = self.recorded(tx).await?;
+        for (version, recorded) in &recorded {
+            // A migration newer than this build's is a newer idem's.
+            let Some(migration) = migrations.iter().find(|m| m.version == *version) else {
+                continue;
+            };
+            let expected = checksum(migration.sql);
+            match recorded {
+                Some(recorded) if *recorded == expected => {}
+                Some(_) => {
+                    return Err(MigrateError::Edited {
+                        history: self.name(),
+                        name: migration.name,
+                    });
+                }
+                // Applied before checksums were kept: given this text's.
+                None => self.record(tx, migration, &expected).await?,
+            }
+        }
+        for migration in migrations
+            .iter()
+            .filter(|m| !recorded.iter().any(|(version, _)| *version == m.version))
+        {
+            tx.batch_execute(migration.sql).await?;
+            self.record(tx, migration, &checksum(migration.sql)).await?;
+            applied.push(self.named(migration));
+        }
+        Ok(())
+    }
+}
+
+/// Applies each of idem's functions whose text the schema never applied,
+/// and records it; adds `functions/<name>.sql` to `applied` for each.
+async fn apply_functions(
     tx: &Transaction<'_>,
-    query: &str,
-    params: &[&(dyn tokio_postgres::types::ToSql + Sync)],
-) -> Result<Vec<i32>, tokio_postgres::Error> {
-    tx.query(query, params)
-        .await?
-        .iter()
-        .map(|row| row.try_get(0))
-        .collect()
+    applied: &mut Vec<String>,
+) -> Result<(), MigrateError> {
+    let rows = tx
+        .query(
+            "SELECT name, checksum, ordinal = max(ordinal) OVER (PARTITION BY name) \
+             FROM idem_schema_functions",
+            &[],
+        )
+        .await?;
+    for function in FUNCTIONS {
+        let own = checksum(function.sql);
+        let mut seen = None;
+        for row in &rows {
+            let name: &str = row.try_get(0)?;
+            let recorded: &str = row.try_get(1)?;
+            if name == function.name && recorded == own {
+                seen = Some(row.try_get::<_, bool>(2)?);
+            }
+        }
+        match seen {
+            Some(true) => {}
+            // An older idem's migrate, during an upgrade: the newer text stays.
+            Some(false) => info!(
+                function = function.name,
+                "the schema holds a newer definition of this function than this idem's: kept"
+            ),
+            None => {
+                tx.batch_execute(function.sql).await?;
+                tx.execute(
+                    "INSERT INTO idem_schema_functions (name, checksum) VALUES ($1, $2)",
+                    &[&function.name, &own],
+                )
+                .await?;
+                applied.push(format!("functions/{}.sql", function.name));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A handler's name fits its column, and its migrations are numbered 1, 2, 3 …
@@ -208,10 +412,37 @@ mod tests {
     }
 
     #[test]
+    fn every_file_of_sql_functions_is_applied_once() -> std::io::Result<()> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("sql/functions");
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(dir)? {
+            let name = entry?.file_name().to_string_lossy().into_owned();
+            if let Some(function) = name.strip_suffix(".sql") {
+                files.push(function.to_owned());
+            }
+        }
+        files.sort();
+        let mut listed: Vec<String> = FUNCTIONS.iter().map(|f| f.name.to_owned()).collect();
+        listed.sort();
+        assert_eq!(files, listed);
+        Ok(())
+    }
+
+    #[test]
+    fn a_checksum_reads_windows_line_ends_as_unix_ones() {
+        assert_eq!(
+            checksum("SELECT 1;\r\nSELECT 2;\n"),
+            checksum("SELECT 1;\nSELECT 2;\n")
+        );
+        assert_ne!(checksum("SELECT 1;"), checksum("SELECT 1; "));
+        assert_eq!(checksum("").len(), 64);
+    }
+
+    #[test]
     fn migrations_out_of_order_are_refused() {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 13);
+        assert_eq!(latest(MIGRATIONS), 14);
     }
 }

@@ -353,6 +353,22 @@ pub enum ReadyError {
         /// The highest migration this idem has.
         needed: i32,
     },
+    /// The schema's definition of idem's functions is older than this
+    /// idem's: a build whose migrations are those of the schema, but whose
+    /// functions changed.
+    #[error(
+        "in {server}, {search_path} holds an older definition of {functions} than this idem: \
+         run `{} migrate` first",
+        crate::program::name()
+    )]
+    FunctionsBehind {
+        /// The database.
+        server: String,
+        /// Where the tables were looked for.
+        search_path: String,
+        /// The functions, by name.
+        functions: String,
+    },
     /// Shutdown was asked for while waiting.
     #[error("interrupted while waiting for PostgreSQL")]
     Interrupted,
@@ -575,7 +591,7 @@ impl Store {
         patience: Duration,
         shutdown: &CancellationToken,
     ) -> Result<(), ReadyError> {
-        let (idem, handler, search_path) =
+        let (idem, handler, search_path, behind) =
             until_answered(server, patience, shutdown, || self.schema_versions(H::NAME)).await?;
         for (history, found, needed) in [
             (
@@ -599,12 +615,53 @@ impl Store {
                 });
             }
         }
+        if !behind.is_empty() {
+            return Err(ReadyError::FunctionsBehind {
+                server: server.to_owned(),
+                search_path,
+                functions: behind.join(", "),
+            });
+        }
         Ok(())
     }
 
+    /// idem's functions whose text this idem has the schema never applied
+    /// (one a newer idem replaced was applied, then replaced: it is not
+    /// behind).
+    async fn functions_behind(
+        client: &deadpool_postgres::Client,
+    ) -> Result<Vec<String>, StoreError> {
+        let (names, checksums): (Vec<&str>, Vec<String>) = migrate::FUNCTIONS
+            .iter()
+            .map(|function| (function.name, migrate::checksum(function.sql)))
+            .unzip();
+        let rows = client
+            .query(
+                "SELECT own.name FROM unnest($1::text[], $2::text[]) AS own (name, checksum) \
+                 WHERE NOT EXISTS (SELECT FROM idem_schema_functions AS applied \
+                                   WHERE applied.name = own.name \
+                                     AND applied.checksum = own.checksum) \
+                 ORDER BY 1",
+                &[
+                    &names as &(dyn tokio_postgres::types::ToSql + Sync),
+                    &checksums,
+                ],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?)
+    }
+
     /// The highest migration applied of idem's and of handler `handler`'s
-    /// (0 where none was), and the search path they were looked for in.
-    async fn schema_versions(&self, handler: &str) -> Result<(i32, i32, String), StoreError> {
+    /// (0 where none was), the search path they were looked for in, and
+    /// idem's functions whose text the schema lacks (none looked for in a
+    /// schema before this idem's migrations).
+    async fn schema_versions(
+        &self,
+        handler: &str,
+    ) -> Result<(i32, i32, String, Vec<String>), StoreError> {
         let client = self.pool.get().await?;
         let row = client
             .query_one(
@@ -619,7 +676,7 @@ impl Store {
         let idem: Option<i32> = match idem {
             Ok(row) => row.try_get(0)?,
             Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => {
-                return Ok((0, 0, search_path));
+                return Ok((0, 0, search_path, Vec::new()));
             }
             Err(error) => return Err(error.into()),
         };
@@ -635,7 +692,13 @@ impl Store {
             Err(error) if error.code() == Some(&SqlState::UNDEFINED_TABLE) => None,
             Err(error) => return Err(error.into()),
         };
-        Ok((idem.unwrap_or(0), handler.unwrap_or(0), search_path))
+        let idem = idem.unwrap_or(0);
+        let behind = if idem >= migrate::latest(migrate::MIGRATIONS) {
+            Self::functions_behind(&client).await?
+        } else {
+            Vec::new()
+        };
+        Ok((idem, handler.unwrap_or(0), search_path, behind))
     }
 
     /// Counts a genuine failure of `event_id`, in a transaction of its own

@@ -134,8 +134,14 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
     }
 
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    // Then idem's functions, each from its file.
+    let (migrations, functions) = applied.split_at(applied.len() - 10);
+    assert!(
+        functions.iter().all(|name| name.starts_with("functions/")),
+        "{applied:?}"
+    );
     assert_eq!(
-        applied,
+        migrations,
         vec![
             "0003_handler_migrations.sql",
             "0004_outbox.sql",
@@ -148,6 +154,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0011_dead_letter_summary_tally.sql",
             "0012_closed_epochs_refuse_records.sql",
             "0013_given_up_messages.sql",
+            "0014_migration_checksums.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -319,16 +326,26 @@ const NOTE_AUTHOR: Migration = Migration {
     sql: "ALTER TABLE notes ADD COLUMN author TEXT",
 };
 
-/// The builds: with two migrations, with three, and one whose list skips
-/// a number (a mistake in its code).
-const NOTES: [&[Migration]; 3] = [
+/// The second migration, edited after it was applied.
+const NOTE_TEXT_EDITED: Migration = Migration {
+    version: 2,
+    name: "0002_note_text.sql",
+    sql: "ALTER TABLE notes ADD COLUMN text VARCHAR(200)",
+};
+
+/// The builds: with two migrations, with three, one whose list skips a
+/// number (a mistake in its code), and one whose second migration was
+/// edited.
+const NOTES: [&[Migration]; 4] = [
     &[NOTE_TABLE, NOTE_TEXT],
     &[NOTE_TABLE, NOTE_TEXT, NOTE_AUTHOR],
     &[NOTE_TABLE, NOTE_AUTHOR],
+    &[NOTE_TABLE, NOTE_TEXT_EDITED, NOTE_AUTHOR],
 ];
 const TWO: usize = 0;
 const THREE: usize = 1;
 const GAPPED: usize = 2;
+const EDITED: usize = 3;
 
 impl<const N: usize> Handler for Notes<N> {
     type Event = String;
@@ -505,5 +522,167 @@ async fn a_dead_letter_index_from_before_the_summary_tally_is_tallied_and_knows_
             row(GROUP, "rejected", true, false, "not JSON", 1),
         ]
     );
+    Ok(())
+}
+
+/// Each function of `schema` as PostgreSQL prints it, by name and
+/// arguments, its schema's name taken out.
+async fn function_definitions(schema: &Schema) -> anyhow::Result<Vec<String>> {
+    Ok(schema
+        .pool
+        .get()
+        .await?
+        .query(
+            "SELECT replace(pg_get_functiondef(p.oid), n.nspname || '.', '') \
+             FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace \
+             WHERE n.nspname = $1 \
+             ORDER BY p.proname, pg_get_function_identity_arguments(p.oid)",
+            &[&schema.name],
+        )
+        .await?
+        .iter()
+        .map(|row| row.get(0))
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migration_is_then_refused()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    // What idem's migrate left before it kept checksums: its first 13
+    // migrations, the functions as their CREATE OR REPLACE left them.
+    let old = Schema::left_by(&env, "sums", 13).await?;
+    let before = function_definitions(&old).await?;
+    assert!(before.len() >= 10, "{before:?}");
+
+    let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
+    assert_eq!(
+        applied[..2],
+        [
+            "0014_migration_checksums.sql",
+            "points/0001_user_points.sql"
+        ]
+    );
+    let functions: Vec<&str> = applied[2..].iter().map(String::as_str).collect();
+    assert!(
+        functions.len() == 10
+            && functions.contains(&"functions/mq_claim.sql")
+            && functions.iter().all(|name| name.starts_with("functions/")),
+        "{applied:?}"
+    );
+    // sql/functions holds what the migrations had made, to the character.
+    assert_eq!(function_definitions(&old).await?, before);
+    // Every migration has its checksum, those applied before included.
+    let client = old.pool.get().await?;
+    let unsummed: i64 = client
+        .query_one(
+            "SELECT (SELECT count(*) FROM idem_schema_migrations WHERE checksum IS NULL) \
+                  + (SELECT count(*) FROM idem_handler_migrations WHERE checksum IS NULL)",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(unsummed, 0);
+    assert_eq!(
+        migrate::run::<Points>(&old.pool, Some(&old.name)).await?,
+        Vec::<String>::new()
+    );
+
+    // A migration that landed, edited since: refused, and nothing applied.
+    client
+        .batch_execute(
+            "UPDATE idem_schema_migrations SET checksum = md5('edited') WHERE version = 5",
+        )
+        .await?;
+    match migrate::run::<Notes<TWO>>(&old.pool, Some(&old.name)).await {
+        Err(error @ MigrateError::Edited { .. }) => {
+            let said = error.to_string();
+            assert!(
+                said.contains("migration 0005_consume_record_epochs.sql of idem")
+                    && said.contains("new migration"),
+                "{said}"
+            );
+        }
+        other => anyhow::bail!("expected a refusal, got {other:?}"),
+    }
+    let notes: i64 = client
+        .query_one(
+            "SELECT count(*) FROM idem_handler_migrations WHERE handler = 'notes'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(notes, 0, "nothing was applied");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_migration_edited_after_it_was_applied_is_refused() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let schema = Some(env.schema.as_str());
+    migrate::run::<Notes<TWO>>(&env.pool, schema).await?;
+    match migrate::run::<Notes<EDITED>>(&env.pool, schema).await {
+        Err(error @ MigrateError::Edited { .. }) => assert!(
+            error
+                .to_string()
+                .contains("migration 0002_note_text.sql of handler notes"),
+            "{error}"
+        ),
+        other => anyhow::bail!("expected a refusal, got {other:?}"),
+    }
+    // The build that has the applied text goes on.
+    assert_eq!(
+        migrate::run::<Notes<THREE>>(&env.pool, schema).await?,
+        ["notes/0003_note_author.sql"]
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_the_schema_never_had_waits_for_migrate_and_an_older_idem_keeps_a_newer_one()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let schema = Schema::beside(&env, "functions")?;
+    migrate::run::<Points>(&schema.pool, Some(&schema.name)).await?;
+    let client = schema.pool.get().await?;
+    let store = Store::new(schema.pool.clone(), GROUP);
+    let never = CancellationToken::new();
+    let ready =
+        || store.wait_until_ready::<Points>("the test database", Duration::from_secs(5), &never);
+    ready().await?;
+
+    // A newer idem replaced the claim since: this one's migrate keeps the
+    // newer text, and this one's worker runs on it.
+    client
+        .batch_execute(
+            "INSERT INTO idem_schema_functions (name, checksum) VALUES ('mq_claim', md5('newer'))",
+        )
+        .await?;
+    assert_eq!(
+        migrate::run::<Points>(&schema.pool, Some(&schema.name)).await?,
+        Vec::<String>::new()
+    );
+    ready().await?;
+
+    // A build whose claim the schema never had: its worker waits for its
+    // migrate, which applies the claim.
+    client
+        .batch_execute("DELETE FROM idem_schema_functions WHERE name = 'mq_claim'")
+        .await?;
+    let refused = ready()
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        refused.contains("holds an older definition of mq_claim than this idem: run `")
+            && refused.contains("migrate` first"),
+        "{refused}"
+    );
+    assert_eq!(
+        migrate::run::<Points>(&schema.pool, Some(&schema.name)).await?,
+        ["functions/mq_claim.sql"]
+    );
+    ready().await?;
     Ok(())
 }
