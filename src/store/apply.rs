@@ -10,9 +10,7 @@ use tokio_postgres::error::SqlState;
 use super::outbox::{self, Rows};
 use super::{ConfigError, Store, StoreError, claim, describe, is_identifier, ledger};
 use crate::caught;
-use crate::handler::{
-    BoxError, Detailed, FailureKind, Handler, HandlerError, Outbox, Tally, Transaction,
-};
+use crate::handler::{BoxError, Detailed, FailureKind, Handler, HandlerError, Outbox, Tally};
 use crate::probe::{self, Point, Verdict};
 
 /// The first pause before a transaction a flush did not confirm runs
@@ -500,20 +498,6 @@ impl<H: Handler> Applier<H> {
             HandlerError::Infrastructure(error) => Failure::of(FailureKind::Infrastructure, &error),
         }
     }
-}
-
-/// Runs `tally` as a statement of `tx`: what idem does in its claim
-/// statement, for a tally handler's [`Handler::apply`]. Its names must be
-/// plain identifiers (a worker checks them at start).
-pub async fn apply_tally<E: Sync>(
-    tx: &Transaction<'_>,
-    tally: &Tally<E>,
-    events: &[&E],
-) -> Result<(), HandlerError> {
-    let (keys, amounts) = tally.entries(events);
-    let statement = tx.prepare_cached(&claim::tally_statement(tally)).await?;
-    tx.execute(&statement, &[&keys, &amounts]).await?;
-    Ok(())
 }
 
 /// The outbox of `events` (sorted, distinct; `ids` theirs), seeded with what

@@ -113,7 +113,7 @@ fn claim_tally_then<E>(tally: &Tally<E>, clear_ledger: bool, steps: &str) -> Str
             GROUP BY batch.tally_key ORDER BY batch.tally_key \
             {upsert}) \
          SELECT event_id FROM claimed",
-        upsert = upsert(tally),
+        upsert = tally.upsert(),
     )
 }
 
@@ -140,22 +140,7 @@ pub fn straight_claim_and_tally_statement<E>(tally: &Tally<E>) -> String {
             SELECT $5::varchar, $6::bigint FROM claimed \
             {upsert}) \
          SELECT event_id FROM claimed",
-        upsert = upsert(tally),
-    )
-}
-
-/// A [`Tally`]'s effect alone, inside a transaction: `$1` keys, `$2` amounts.
-pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
-    let Tally {
-        table, key, amount, ..
-    } = tally;
-    format!(
-        "INSERT INTO {table} ({key}, {amount}) \
-         SELECT batch.tally_key, sum(batch.tally_amount)::bigint \
-         FROM unnest($1::varchar[], $2::bigint[]) AS batch(tally_key, tally_amount) \
-         GROUP BY batch.tally_key ORDER BY batch.tally_key \
-         {}",
-        upsert(tally)
+        upsert = tally.upsert(),
     )
 }
 
@@ -168,7 +153,7 @@ pub(super) fn tally_statement<E>(tally: &Tally<E>) -> String {
 pub fn general_path_statements<E>(tally: &Tally<E>) -> [String; 3] {
     [
         claim_statement(),
-        tally_statement(tally),
+        tally.statement(),
         ledger::RESET.to_owned(),
     ]
 }
@@ -186,13 +171,6 @@ pub(super) fn unflushed(statement: &str) -> String {
 
 /// Rows are updated in key order, so that concurrent batches cannot
 /// deadlock on each other's rows.
-fn upsert<E>(tally: &Tally<E>) -> String {
-    let Tally {
-        table, key, amount, ..
-    } = tally;
-    format!("ON CONFLICT ({key}) DO UPDATE SET {amount} = {table}.{amount} + EXCLUDED.{amount}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

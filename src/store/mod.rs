@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 pub(crate) use apply::RERUN_PAUSE;
-pub use apply::{Applier, Claimed, Failure, apply_tally};
+pub use apply::{Applier, Claimed, Failure};
 #[doc(hidden)]
 pub use claim::general_path_statements;
 pub use claim::{claim_and_tally_statement, digest, recorded, straight_claim_and_tally_statement};
