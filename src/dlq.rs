@@ -14,6 +14,8 @@ use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
+
+use crate::error::CommandResult;
 use base64::Engine;
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
@@ -43,6 +45,7 @@ use crate::store::{
 
 /// Which dead-letter queue, and how to reach the failure ledger.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DlqConfig {
     /// The broker.
     pub amqp: AmqpConfig,
@@ -61,6 +64,30 @@ pub struct DlqConfig {
     pub every_letter: bool,
     /// How long to keep trying to (re)connect.
     pub patience: Duration,
+}
+
+impl DlqConfig {
+    /// A pass over `dead_letter_queue`, the dead letters of
+    /// `consumer_group`, taking every letter (no filter, no limit) and
+    /// waiting at most `patience` for the servers.
+    pub fn new(
+        amqp: AmqpConfig,
+        database: DatabaseConfig,
+        consumer_group: impl Into<String>,
+        dead_letter_queue: impl Into<String>,
+        patience: Duration,
+    ) -> Self {
+        Self {
+            amqp,
+            database,
+            consumer_group: consumer_group.into(),
+            dead_letter_queue: dead_letter_queue.into(),
+            filter: Filter::default(),
+            limit: None,
+            every_letter: false,
+            patience,
+        }
+    }
 }
 
 /// Which dead letters an action takes; every part must hold. The default
@@ -205,13 +232,25 @@ pub async fn run<H: Handler>(
     action: &Action,
     handler: &H,
     shutdown: &CancellationToken,
-) -> anyhow::Result<Report> {
+) -> CommandResult<Report> {
     run_showing(config, action, handler, &Progress::hidden(), shutdown).await
 }
 
 /// [`run`], counting in `progress` the dead letters looked at, of those in
 /// the queue when it started.
+#[doc(hidden)]
 pub async fn run_showing<H: Handler>(
+    config: &DlqConfig,
+    action: &Action,
+    handler: &H,
+    progress: &Progress,
+    shutdown: &CancellationToken,
+) -> CommandResult<Report> {
+    Ok(pass(config, action, handler, progress, shutdown).await?)
+}
+
+/// [`run_showing`].
+async fn pass<H: Handler>(
     config: &DlqConfig,
     action: &Action,
     handler: &H,
@@ -333,6 +372,14 @@ impl IndexState {
 pub async fn index_state<H: Handler>(
     config: &DlqConfig,
     shutdown: &CancellationToken,
+) -> CommandResult<IndexState> {
+    Ok(index_state_of::<H>(config, shutdown).await?)
+}
+
+/// [`index_state`].
+async fn index_state_of<H: Handler>(
+    config: &DlqConfig,
+    shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexState> {
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     let server = config.database.describe();
@@ -372,8 +419,16 @@ async fn dead_letter_depth(
 pub async fn summary<H: Handler>(
     config: &DlqConfig,
     shutdown: &CancellationToken,
+) -> CommandResult<IndexedSummary> {
+    Ok(summary_of::<H>(config, shutdown).await?)
+}
+
+/// [`summary`].
+async fn summary_of<H: Handler>(
+    config: &DlqConfig,
+    shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexedSummary> {
-    let state = index_state::<H>(config, shutdown).await?;
+    let state = index_state_of::<H>(config, shutdown).await?;
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     let summary = store
         .dead_letter_summary(&IndexFilter::from(&config.filter))
@@ -1494,6 +1549,7 @@ fn value_json(value: &AMQPValue) -> Value {
 
 /// `text` with its control characters escaped (`\u{1b}`, `\0`), so that a
 /// body or an id cannot drive the terminal it is printed on.
+#[doc(hidden)]
 pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
     if !text.chars().any(char::is_control) {
         return std::borrow::Cow::Borrowed(text);

@@ -2,7 +2,7 @@
 //! in PostgreSQL: however often an event arrives, its effect happens once;
 //! what cannot be processed is dead-lettered and can be replayed.
 //!
-//! The effect is yours: implement [`Handler`](handler::Handler) and idem
+//! The effect is yours: implement [`Handler`] and idem
 //! runs it inside the transaction that records the event's consume record,
 //! acks after commit, counts genuine failures, dead-letters what cannot be
 //! applied, holds deliveries through an outage, batches, and replays. The
@@ -15,11 +15,10 @@
 //! event arrives, and the few lines that run a worker with it:
 //!
 //! ```no_run
-//! use idem::broker::{AmqpConfig, Topology};
-//! use idem::handler::{Handler, HandlerError, Invalid, Migration, Outbox, Transaction};
-//! use idem::secret::SecretUrl;
-//! use idem::store::{DatabaseConfig, migrate};
-//! use idem::worker::{Worker, WorkerConfig};
+//! use idem::{
+//!     AmqpConfig, DatabaseConfig, Handler, HandlerError, Invalid, Migration, Outbox, SecretUrl,
+//!     Topology, Transaction, Worker, WorkerConfig, migrate,
+//! };
 //! use tokio_util::sync::CancellationToken;
 //!
 //! /// `{"eventId": "signup-42", "email": "ada@example.com"}`
@@ -102,8 +101,20 @@
 //! - `otlp` (default) — idem's spans exported over OTLP (HTTP) when
 //!   `OTEL_EXPORTER_OTLP_ENDPOINT` is set.
 //!
-//! A service that runs only [`worker::Worker`] depends on idem with
+//! A service that runs only [`Worker`] depends on idem with
 //! `default-features = false` and gets neither.
+//!
+//! # What a service uses
+//!
+//! The crate root holds it: the [`Handler`] trait and its types
+//! ([`Transaction`], [`Outbox`], [`OutboxMessage`], [`Tally`],
+//! [`HandlerError`], [`Invalid`], [`Migration`], [`GivenUp`],
+//! [`FailureKind`]); the [`Worker`] and its [`WorkerConfig`], [`Mode`],
+//! [`Topology`], [`Exchange`]; the connections ([`AmqpConfig`],
+//! [`DatabaseConfig`], [`SecretUrl`]); [`migrate`]; the CLI [`Service`]; a
+//! [`check`] of the handler ([`CheckConfig`]); the outbox [`relay`]
+//! ([`RelayConfig`]). The modules below hold the rest: reports, errors, and
+//! the operator commands as library calls.
 //!
 //! # Layout
 //!
@@ -121,19 +132,20 @@
 //! - [`check`] — a handler proved under idem's faults against its events
 //!   applied one at a time (`check`, and from a team's own tests).
 //! - [`commands`] — what the other commands do: `status`, `prune`,
-//!   `reconcile`.
-//! - [`vars`] — the environment variables the `idem` binary reads.
-//! - [`program`] — the binary's name, in the commands messages suggest.
-//! - [`duration`] — durations as flags and queue names write them.
-//! - [`progress`] — how far long work got: a bar, or lines.
-//! - [`backoff`] — the retry schedules.
+//!   `reconcile`; their error is an [`error::CommandError`].
+//! - [`relay`] — the outbox relay, in the worker or on its own.
 //! - [`secret`] — connection strings that never print their password.
-//! - [`tls`] — CA files and TLS handshake failures, for both connections.
-//! - [`telemetry`] — logging.
+//! - [`telemetry`] — logging, and the trace context across the broker.
+//!
+//! Modules hidden from these pages (`vars`, `duration`, `progress`,
+//! `backoff`, `tls`, `program`, `probe`, `trial`) and hidden items of the
+//! others serve idem's own binaries and tests: they are not part of the API
+//! and change without notice.
 
 // The crate docs link to the modules of the default features.
 #![cfg_attr(not(feature = "cli"), allow(rustdoc::broken_intra_doc_links))]
 
+#[doc(hidden)]
 pub mod backoff;
 pub mod broker;
 mod caught;
@@ -142,21 +154,41 @@ pub mod check;
 pub mod cli;
 pub mod commands;
 pub mod dlq;
+#[doc(hidden)]
 pub mod duration;
+pub mod error;
 pub mod handler;
 #[doc(hidden)]
 pub mod probe;
+#[doc(hidden)]
 pub mod program;
+#[doc(hidden)]
 pub mod progress;
 pub mod relay;
 pub mod secret;
 pub mod store;
 pub mod telemetry;
+#[doc(hidden)]
 pub mod tls;
 #[doc(hidden)]
 pub mod trial;
+#[doc(hidden)]
 pub mod vars;
 pub mod worker;
+
+pub use broker::{AmqpConfig, Exchange, ExchangeKind, Topology};
+pub use check::{CheckConfig, CheckReport};
+#[cfg(feature = "cli")]
+pub use cli::Service;
+pub use error::CommandError;
+pub use handler::{
+    FailureKind, GivenUp, Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Tally,
+    Transaction,
+};
+pub use relay::RelayConfig;
+pub use secret::SecretUrl;
+pub use store::{DatabaseConfig, migrate};
+pub use worker::{Mode, Worker, WorkerConfig};
 
 /// The README's and the guide's Rust blocks, compiled by `cargo test` as
 /// doctests (what the pages hide with `# ` is the context each needs).
@@ -175,6 +207,6 @@ mod pages {
 /// The connection pool behind [`handler::Transaction`].
 pub use deadpool_postgres;
 /// The PostgreSQL client whose types idem's signatures name (a handler's
-/// [`Transaction`](handler::Transaction), its errors): depend on this one
+/// [`Transaction`], its errors): depend on this one
 /// rather than pinning a second copy.
 pub use tokio_postgres;

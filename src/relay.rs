@@ -35,6 +35,7 @@ pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
 
 /// What a relay needs to know.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RelayConfig {
     /// The broker.
     pub amqp: AmqpConfig,
@@ -114,6 +115,7 @@ pub struct RelayReport {
 
 /// Why a relay stopped other than by being asked to.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     /// The broker refused us or stayed unreachable.
     #[error(transparent)]
@@ -530,6 +532,7 @@ fn refused_wait(attempts: i32) -> Duration {
 }
 
 /// Logs what a relay did, once it stopped.
+#[doc(hidden)]
 pub fn log_report(report: &RelayReport) {
     info!(
         sent = report.sent,

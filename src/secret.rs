@@ -50,6 +50,7 @@ impl From<String> for SecretUrl {
 
 /// Masks the password of `scheme://user:password@host/…` and of every
 /// `password=value` pair (query strings, key/value strings).
+#[doc(hidden)]
 pub fn redact(text: &str) -> String {
     redact_password_pairs(&redact_userinfo(text))
 }
@@ -77,6 +78,7 @@ fn password_span(text: &str) -> Option<(usize, usize)> {
 
 /// What may be the password of `url`'s userinfo, as written (see
 /// `password_span`); `None` when there is no `user:…@`.
+#[doc(hidden)]
 pub fn userinfo_password(url: &str) -> Option<&str> {
     password_span(url).map(|(from, to)| &url[from..to])
 }
@@ -86,6 +88,7 @@ pub fn userinfo_password(url: &str) -> Option<&str> {
 /// then went somewhere else (into the host, the vhost, the path), from
 /// where the client or the server would echo it. Such a URL must be
 /// refused, and never described from its parts.
+#[doc(hidden)]
 pub fn parsed_as_written(url: &str, parsed: &[u8]) -> bool {
     userinfo_password(url).is_none_or(|written| {
         percent_encoding::percent_decode_str(written).collect::<Vec<u8>>() == parsed

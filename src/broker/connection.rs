@@ -20,6 +20,7 @@ use crate::secret::SecretUrl;
 
 /// Where the broker is: one node, or several nodes of a cluster.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct AmqpConfig {
     /// `amqp://user:password@host:port/vhost`, or several such URLs
     /// separated by commas (the nodes of a cluster); may carry passwords.
@@ -161,6 +162,7 @@ const VHOST_ENCODED: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHAN
 
 /// Why a connection could not be opened.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConnectError {
     /// The broker answered and said no: wrong user or password, unknown
     /// vhost, no permission. Retrying will not help.
@@ -396,6 +398,7 @@ pub fn first_refusal(kept: Option<lapin::Error>, new: lapin::Error) -> Option<la
 
 /// Why a loop that reconnects after every lost session stopped.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SessionError {
     /// No connection could be opened.
     #[error(transparent)]

@@ -150,6 +150,7 @@ pub async fn declare_exchanges(
 
 /// The broker refused a declaration.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TopologyError {
     /// An object exists with other properties or arguments than idem's.
     #[error(

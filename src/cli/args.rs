@@ -699,6 +699,7 @@ impl StatusArgs {
 
 /// A parser that takes one of `all` by its flag, and lists them in help and
 /// errors.
+#[doc(hidden)]
 pub fn choice<T: Copy + Send + Sync + 'static>(
     all: &'static [T],
     flag: fn(T) -> &'static str,

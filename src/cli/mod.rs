@@ -880,8 +880,9 @@ fn one_line(error: &anyhow::Error) -> String {
 /// timeout: the flag that would have waited longer is worth naming.
 fn waited_out(error: &anyhow::Error) -> bool {
     use crate::broker::ConnectError;
+    use crate::error::CommandError;
     use crate::worker::WorkerError;
-    error.chain().any(|cause| {
+    let waited = |cause: &(dyn std::error::Error + 'static)| {
         matches!(
             cause.downcast_ref::<ReadyError>(),
             Some(ReadyError::Unavailable { .. })
@@ -895,6 +896,14 @@ fn waited_out(error: &anyhow::Error) -> bool {
                     | WorkerError::Connect(ConnectError::Unreachable { .. })
             )
         )
+    };
+    // A command's error holds its own chain, whose outermost error is
+    // known only from inside.
+    error.chain().any(|cause| {
+        waited(cause)
+            || cause
+                .downcast_ref::<CommandError>()
+                .is_some_and(|command| command.chain().any(waited))
     })
 }
 

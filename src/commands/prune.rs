@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow};
 use tokio_util::sync::CancellationToken;
 
 use crate::broker;
@@ -57,22 +57,24 @@ impl PruneSettings {
 
     /// The window must be no shorter than `min_retention`, and longer than
     /// a message takes through every retry.
-    pub fn check_window(&self) -> anyhow::Result<()> {
+    pub fn check_window(&self) -> crate::error::CommandResult<()> {
         let window = crate::duration::format_days(self.older_than);
         if self.older_than < self.min_retention {
-            bail!(
+            return Err(anyhow!(
                 "a window of {window} is shorter than --min-retention ({}): a message that \
                  comes back after its record is removed applies again",
                 crate::duration::format_days(self.min_retention)
-            );
+            )
+            .into());
         }
         let retries: Duration = self.retry_delays.iter().sum();
         if self.older_than <= retries {
-            bail!(
+            return Err(anyhow!(
                 "a window of {window} is not longer than the retry delays together ({}): a \
                  message still retrying could come back after its record is removed",
                 crate::duration::format_days(retries)
-            );
+            )
+            .into());
         }
         Ok(())
     }
@@ -96,6 +98,15 @@ pub struct Outcome {
 
 /// Checks the window against the safety rule, then prunes once.
 pub async fn run<H: Handler>(
+    settings: &PruneSettings,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> crate::error::CommandResult<Outcome> {
+    Ok(prune_once(settings, handler, shutdown).await?)
+}
+
+/// [`run`].
+async fn prune_once<H: Handler>(
     settings: &PruneSettings,
     _handler: &H,
     shutdown: &CancellationToken,

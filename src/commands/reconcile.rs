@@ -28,6 +28,7 @@ pub const SHOWN: usize = 10;
 
 /// What to compare, and what to do about it.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ReconcileConfig {
     /// The dead-letter queue, the database and the consumer group.
     pub dlq: DlqConfig,
@@ -49,6 +50,19 @@ pub struct ReconcileConfig {
 impl ReconcileConfig {
     /// Events per chunk unless said otherwise.
     pub const DEFAULT_CHUNK: usize = 10_000;
+
+    /// Compares the upstream's `export` with what `dlq`'s consumer group
+    /// applied, on `topology`; writes no report and republishes nothing.
+    pub fn new(dlq: DlqConfig, topology: Topology, export: impl Into<PathBuf>) -> Self {
+        Self {
+            dlq,
+            topology,
+            export: export.into(),
+            report: None,
+            republish_missing: false,
+            chunk: Self::DEFAULT_CHUNK,
+        }
+    }
 }
 
 /// Where an event stands.
@@ -131,6 +145,15 @@ impl Reconciliation {
 
 /// Compares the export with what idem recorded; see the module's text.
 pub async fn run<H: Handler>(
+    config: &ReconcileConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> crate::error::CommandResult<Reconciliation> {
+    Ok(compare(config, handler, shutdown).await?)
+}
+
+/// [`run`].
+async fn compare<H: Handler>(
     config: &ReconcileConfig,
     handler: &H,
     shutdown: &CancellationToken,

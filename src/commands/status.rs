@@ -21,6 +21,7 @@ pub const LEDGER_LOOK: i64 = 1_000;
 
 /// Whose status.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct StatusConfig {
     /// The broker.
     pub amqp: AmqpConfig,
@@ -32,6 +33,26 @@ pub struct StatusConfig {
     pub consumer_group: String,
     /// How long to wait for the services.
     pub patience: Duration,
+}
+
+impl StatusConfig {
+    /// The state of `consumer_group`, working from `topology`'s queues,
+    /// waiting at most `patience` for the servers.
+    pub fn new(
+        amqp: AmqpConfig,
+        database: DatabaseConfig,
+        topology: Topology,
+        consumer_group: impl Into<String>,
+        patience: Duration,
+    ) -> Self {
+        Self {
+            amqp,
+            database,
+            topology,
+            consumer_group: consumer_group.into(),
+            patience,
+        }
+    }
 }
 
 /// One queue's state.
@@ -68,6 +89,15 @@ pub struct Status {
 
 /// Looks at the consumer group's queues and tables; moves nothing.
 pub async fn run<H: Handler>(
+    config: &StatusConfig,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> crate::error::CommandResult<Status> {
+    Ok(look(config, handler, shutdown).await?)
+}
+
+/// [`run`].
+async fn look<H: Handler>(
     config: &StatusConfig,
     _handler: &H,
     shutdown: &CancellationToken,

@@ -357,6 +357,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Why [`Handler::apply`] did not apply. Every variant rolls the transaction
 /// back; they differ in what happens next.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum HandlerError {
     /// A statement failed: [`Handler::classify`] decides whose fault it is.
     /// `?` on a `tokio_postgres::Error` gives this.

@@ -8,6 +8,7 @@ use crate::handler::{FailureKind, classify};
 
 /// Something went wrong talking to PostgreSQL.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// No connection could be had from the pool (timeout, refused, closed).
     /// Not a `source`: the message already describes the pool's error, and

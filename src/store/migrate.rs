@@ -93,6 +93,7 @@ pub fn latest(migrations: &[Migration]) -> i32 {
 
 /// Why migrating failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MigrateError {
     /// The database failed or refused a statement.
     #[error(transparent)]

@@ -5,12 +5,15 @@
 
 mod apply;
 mod claim;
+#[doc(hidden)]
 pub mod dead_letters;
 mod failure;
+#[doc(hidden)]
 pub mod filter;
 mod flush;
 mod ledger;
 pub mod migrate;
+#[doc(hidden)]
 pub mod outbox;
 pub mod retention;
 
@@ -29,16 +32,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 pub(crate) use apply::RERUN_PAUSE;
+#[doc(hidden)]
 pub use apply::{Applier, Claimed, Failure};
 #[doc(hidden)]
-pub use claim::general_path_statements;
-pub use claim::{claim_and_tally_statement, digest, recorded, straight_claim_and_tally_statement};
+pub use claim::{
+    claim_and_tally_statement, digest, general_path_statements, recorded,
+    straight_claim_and_tally_statement,
+};
 pub(crate) use dead_letters::GivenUpMessages;
 pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
 pub use failure::StoreError;
 #[doc(hidden)]
 pub use failure::describe;
+#[doc(hidden)]
 pub use filter::Filters;
+#[doc(hidden)]
 pub use flush::Lanes;
 pub use ledger::LedgerEntry;
 
@@ -47,6 +55,7 @@ use crate::secret::SecretUrl;
 
 /// Where the database is and how to use it.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DatabaseConfig {
     /// Connection string (URL or key/value); may carry a password.
     pub url: SecretUrl,
@@ -73,6 +82,7 @@ pub struct DatabaseConfig {
 
 /// The configuration is unusable: it will not get better by retrying.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The connection string does not parse.
     #[error("{url} is not a valid PostgreSQL connection string: {0}", url = ConfigError::URL)]
@@ -312,6 +322,7 @@ fn redirected(
 /// Why the database cannot be used. Each names the database, as
 /// [`DatabaseConfig::describe`] does.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ReadyError {
     /// PostgreSQL answered and said no.
     #[error("PostgreSQL at {server} refused the connection: {}", .error.cause())]
@@ -459,6 +470,7 @@ fn tls_connector(ca_file: Option<&Path>) -> Result<MakeRustlsConnect, ConfigErro
 /// Runs `operation` until PostgreSQL answers it, retrying with backoff for
 /// at most `patience`, one log line per attempt; a refusal (credentials, an
 /// unknown database, a certificate) ends it at once, as does `shutdown`.
+#[doc(hidden)]
 pub async fn until_answered<T, F, Fut>(
     server: &str,
     patience: Duration,
@@ -500,6 +512,7 @@ fn is_refusal(error: &StoreError) -> bool {
 }
 
 /// A plain SQL identifier that needs no quoting.
+#[doc(hidden)]
 pub fn is_identifier(name: &str) -> bool {
     let mut chars = name.chars();
     matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')

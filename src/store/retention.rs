@@ -24,6 +24,7 @@ pub struct Epoch {
 }
 
 /// The epochs, oldest first.
+#[doc(hidden)]
 pub async fn epochs(client: &Client) -> Result<Vec<Epoch>, StoreError> {
     let rows = client
         .query(
@@ -69,6 +70,7 @@ pub struct Pruned {
 
 /// How a pass of [`prune`] goes.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct PruneConfig {
     /// What is older than this goes: a closed epoch once its newest record
     /// is, a ledger row last failed before, an outbox row sent before.
@@ -91,6 +93,23 @@ pub struct PruneConfig {
     /// Keep every failure-ledger row and record of a death: the dead-letter
     /// queue holds letters the index does not know, which may need them.
     pub keep_ledger: bool,
+}
+
+impl PruneConfig {
+    /// A pass that removes what is older than `older_than`, opening an
+    /// epoch every `epoch_length`, waiting at most `lock_timeout` for a
+    /// lock; it keeps no epoch beyond its age and every ledger row a
+    /// removal leaves.
+    pub fn new(older_than: Duration, epoch_length: Duration, lock_timeout: Duration) -> Self {
+        Self {
+            older_than,
+            epoch_length,
+            lock_timeout,
+            keep_from: None,
+            dry_run: false,
+            keep_ledger: false,
+        }
+    }
 }
 
 /// Rows a chunk of a removal deletes: short transactions, no long lock.
@@ -169,6 +188,7 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
 
 /// The oldest epoch holding a record of one of `event_ids` in
 /// `consumer_group`.
+#[doc(hidden)]
 pub async fn oldest_epoch_of(
     client: &Client,
     consumer_group: &str,
@@ -184,6 +204,7 @@ pub async fn oldest_epoch_of(
 }
 
 /// Opens the next epoch (`mq_open_epoch`), in a transaction of its own.
+#[doc(hidden)]
 pub async fn open_epoch(client: &Client) -> Result<i32, StoreError> {
     Ok(client
         .query_one("SELECT mq_open_epoch()", &[])
@@ -193,6 +214,7 @@ pub async fn open_epoch(client: &Client) -> Result<i32, StoreError> {
 
 /// Opens the next epoch if the current one has taken `max_records` records
 /// or more (`mq_rotate`, one opening at a time); returns it.
+#[doc(hidden)]
 pub async fn rotate(client: &Client, max_records: i64) -> Result<Option<i32>, StoreError> {
     Ok(client
         .query_one("SELECT mq_rotate($1)", &[&max_records])
@@ -213,6 +235,7 @@ pub struct EpochSummary {
 
 /// How many epochs there are, how many have a stored filter, and how many
 /// records the current one has taken.
+#[doc(hidden)]
 pub async fn summary(client: &Client) -> Result<EpochSummary, StoreError> {
     let row = client
         .query_one(
@@ -231,6 +254,7 @@ pub async fn summary(client: &Client) -> Result<EpochSummary, StoreError> {
 /// Records the current epoch has taken: the id sequence's progress since
 /// it opened (an overestimate: a duplicate or a rollback spends an id, and
 /// each session takes ids a thousand at a time).
+#[doc(hidden)]
 pub async fn current_records(client: &Client) -> Result<i64, StoreError> {
     Ok(client
         .query_one(

@@ -48,11 +48,13 @@ impl LogFormat {
 /// Prints the line a command ends with when it fails: `idem: …` as text,
 /// one JSON object (as the subscriber writes them) with `--log-format json`.
 /// Written directly, so that no filter can hide it.
+#[doc(hidden)]
 pub fn fatal(format: LogFormat, message: &str) {
     fatal_as("idem", format, message);
 }
 
 /// [`fatal`] for the binary `name` (a service built on idem).
+#[doc(hidden)]
 pub fn fatal_as(name: &str, format: LogFormat, message: &str) {
     let message = message.replace('\n', " ");
     match format {
@@ -113,6 +115,7 @@ impl Drop for Telemetry {
 
 /// [`init`]: this build cannot export spans (the `otlp` feature).
 #[cfg(not(feature = "otlp"))]
+#[doc(hidden)]
 pub fn install(
     _name: &str,
     default_filter: &str,
@@ -131,6 +134,7 @@ pub fn install(
 /// unless `OTEL_SERVICE_NAME` names it. Fails only on a setting the
 /// exporter cannot use.
 #[cfg(feature = "otlp")]
+#[doc(hidden)]
 pub fn install(
     name: &str,
     default_filter: &str,

@@ -120,6 +120,7 @@ impl std::str::FromStr for Mode {
 /// Everything the worker needs to know. [`WorkerConfig::new`] gives idem's
 /// defaults, which `idem worker`'s flags start from too.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct WorkerConfig {
     /// The broker.
     pub amqp: AmqpConfig,
@@ -287,6 +288,7 @@ pub const MAX_CONSUMER_GROUP_CHARS: usize = 64;
 
 /// Refuses a consumer group that idem's tables cannot hold: empty, blank,
 /// or longer than [`MAX_CONSUMER_GROUP_CHARS`].
+#[doc(hidden)]
 pub fn check_consumer_group(group: &str) -> Result<(), ConfigError> {
     if group.trim().is_empty() || group.chars().count() > MAX_CONSUMER_GROUP_CHARS {
         return Err(ConfigError::ConsumerGroup {
@@ -298,6 +300,7 @@ pub fn check_consumer_group(group: &str) -> Result<(), ConfigError> {
 
 /// A worker's settings that cannot work together, found before it starts.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The consumer group is part of every consume record's key.
     #[error("the consumer group must be 1 to {MAX_CONSUMER_GROUP_CHARS} characters, got {group:?}")]
@@ -350,6 +353,7 @@ pub enum ConfigError {
 
 /// Why the worker stopped other than by being asked to.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WorkerError {
     /// The worker's settings cannot work together.
     #[error(transparent)]

@@ -290,14 +290,11 @@ pub fn prefill_layout(count: u64, epochs: Option<u16>, epoch_records: u64) -> Ve
 async fn remove_oldest_day(pool: Pool, epochs: usize) -> anyhow::Result<(Vec<i32>, Duration)> {
     let started = Instant::now();
     let day = 24 * 3600;
-    let config = idem::store::retention::PruneConfig {
-        older_than: Duration::from_secs(epochs.saturating_sub(1) as u64 * day - day / 2),
-        epoch_length: Duration::from_secs(365 * day),
-        lock_timeout: idem::commands::prune::PruneSettings::DEFAULT_LOCK_TIMEOUT,
-        keep_from: None,
-        dry_run: false,
-        keep_ledger: false,
-    };
+    let config = idem::store::retention::PruneConfig::new(
+        Duration::from_secs(epochs.saturating_sub(1) as u64 * day - day / 2),
+        Duration::from_secs(365 * day),
+        idem::commands::prune::PruneSettings::DEFAULT_LOCK_TIMEOUT,
+    );
     let pruned = idem::store::retention::prune(&pool, &config)
         .await?
         .context("another pruner was at work")?;

@@ -116,16 +116,14 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
     let credits = Credits::of(&topology);
     // The worker as `idem worker` runs it by default, but quick to give up
     // on services that are not there.
-    let config = WorkerConfig {
-        startup_timeout: Duration::from_secs(5),
-        shutdown_timeout: Duration::from_secs(10),
-        ..WorkerConfig::new(
-            amqp.clone(),
-            database.with_schema(SCHEMA),
-            topology.clone(),
-            CONSUMER_GROUP,
-        )
-    };
+    let mut config = WorkerConfig::new(
+        amqp.clone(),
+        database.with_schema(SCHEMA),
+        topology.clone(),
+        CONSUMER_GROUP,
+    );
+    config.startup_timeout = Duration::from_secs(5);
+    config.shutdown_timeout = Duration::from_secs(10);
     let pool = config.database.pool()?;
     let connection = drop_schema_once_both_answer(&config.database, &amqp).await?;
     migrate::run::<Points>(&pool, Some(SCHEMA))

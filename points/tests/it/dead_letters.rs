@@ -27,7 +27,7 @@ const REPLAY_ALL: Action = Action::Replay {
 };
 
 async fn run(config: &DlqConfig, action: &Action) -> anyhow::Result<Report> {
-    dlq::run(config, action, &Points, &CancellationToken::new()).await
+    Ok(dlq::run(config, action, &Points, &CancellationToken::new()).await?)
 }
 
 async fn invalid_messages_are_dead_lettered_at_once_and_the_worker_goes_on(
@@ -325,10 +325,8 @@ async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_r
     };
     assert_eq!(ledger().await?.len(), total as usize, "one ledger row each");
 
-    let config = DlqConfig {
-        limit: Some(limit),
-        ..dlq_config(&env)
-    };
+    let mut config = dlq_config(&env);
+    config.limit = Some(limit);
     let report = run(&config, &REPLAY_ALL).await?;
     assert!(report.succeeded(), "{report:?}");
     assert_eq!(report.replayed.len(), limit);

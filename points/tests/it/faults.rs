@@ -469,14 +469,11 @@ async fn replay_cut_off_mid_way(
     cut: impl FnOnce(&Proxy),
 ) -> anyhow::Result<idem::dlq::Report> {
     let broker = Proxy::start(amqp_address()).await?;
-    let config = idem::dlq::DlqConfig {
-        amqp: idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
-            env.amqp_url_via(broker.port),
-        )),
-        filter,
-        patience: patient(Duration::from_secs(20)),
-        ..env.dlq_config()
-    };
+    let mut config = env.dlq_config();
+    config.amqp =
+        idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)));
+    config.filter = filter;
+    config.patience = patient(Duration::from_secs(20));
     let replaying = tokio::spawn(async move {
         let never = tokio_util::sync::CancellationToken::new();
         idem::dlq::run(&config, &action, &idem_points::points::Points, &never).await

@@ -453,17 +453,16 @@ impl TestEnv {
     /// A worker configuration for this environment in `mode`: idem's
     /// defaults, with deadlines for a test.
     pub fn worker_config(&self, mode: Mode) -> WorkerConfig {
-        WorkerConfig {
-            shutdown_timeout: patient(Duration::from_secs(10)),
-            startup_timeout: patient(Duration::from_secs(10)),
-            ..WorkerConfig::in_mode(
-                mode,
-                self.amqp.clone(),
-                self.database.clone(),
-                self.topology.clone(),
-                GROUP,
-            )
-        }
+        let mut config = WorkerConfig::in_mode(
+            mode,
+            self.amqp.clone(),
+            self.database.clone(),
+            self.topology.clone(),
+            GROUP,
+        );
+        config.shutdown_timeout = patient(Duration::from_secs(10));
+        config.startup_timeout = patient(Duration::from_secs(10));
+        config
     }
 
     /// The broker's URL through a proxy on `port`.
@@ -608,16 +607,13 @@ impl TestEnv {
     /// The dead-letter commands' settings for this test's queue, ledger
     /// and records, with no filter.
     pub fn dlq_config(&self) -> idem::dlq::DlqConfig {
-        idem::dlq::DlqConfig {
-            amqp: self.amqp.clone(),
-            database: self.database.clone(),
-            consumer_group: GROUP.into(),
-            dead_letter_queue: self.topology.dead_letter_queue.clone(),
-            filter: idem::dlq::Filter::default(),
-            limit: None,
-            every_letter: false,
-            patience: patient(Duration::from_secs(5)),
-        }
+        idem::dlq::DlqConfig::new(
+            self.amqp.clone(),
+            self.database.clone(),
+            GROUP,
+            self.topology.dead_letter_queue.clone(),
+            patient(Duration::from_secs(5)),
+        )
     }
 
     /// Runs SQL in this test's schema.

@@ -113,11 +113,10 @@ async fn an_event_is_applied_once_per_consumer_group(mode: Mode) -> anyhow::Resu
     env.publish_events(&[event.clone(), event]).await?;
 
     let points = RunningWorker::start(env.worker_config(mode));
-    let notifications = RunningWorker::start(idem::worker::WorkerConfig {
-        topology: other,
-        consumer_group: "notifications-group".into(),
-        ..env.worker_config(mode)
-    });
+    let mut config = env.worker_config(mode);
+    config.topology = other;
+    config.consumer_group = "notifications-group".into();
+    let notifications = RunningWorker::start(config);
     points.wait_finished(2, Duration::from_secs(20)).await?;
     notifications
         .wait_finished(2, Duration::from_secs(20))

@@ -528,10 +528,8 @@ async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyho
     let events = load(&env, 3000, 0.1, 30);
     let want = expected(&events);
     // The outbox filled by a worker that leaves it to relays.
-    let config = idem::worker::WorkerConfig {
-        relay: false,
-        ..env.worker_config(Mode::Batch)
-    };
+    let mut config = env.worker_config(Mode::Batch);
+    config.relay = false;
     let worker =
         RunningWorker::start_with(config, Points.announcing(env.topology.exchange.as_str()));
     env.publish_events(&events).await?;
@@ -544,15 +542,11 @@ async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyho
 
     // Then one relay, through a proxy that cuts its connection three times.
     let broker = crate::proxy::Proxy::start(crate::helpers::amqp_address()).await?;
-    let relay = idem::relay::RelayConfig {
-        batch_size: 50,
-        ..idem::relay::RelayConfig::new(
-            idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(
-                env.amqp_url_via(broker.port),
-            )),
-            crate::helpers::patient(Duration::from_secs(10)),
-        )
-    };
+    let mut relay = idem::relay::RelayConfig::new(
+        idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port))),
+        crate::helpers::patient(Duration::from_secs(10)),
+    );
+    relay.batch_size = 50;
     let counters = idem::relay::RelayCounters::default();
     let stop = tokio_util::sync::CancellationToken::new();
     let relaying = {
@@ -773,10 +767,9 @@ async fn a_relay_with_one_lane_sends_a_destination_s_messages_in_the_outbox_s_or
         .iter()
         .map(|row| row.get(0))
         .collect();
-    let relay = idem::relay::RelayConfig {
-        until_empty: true,
-        ..idem::relay::RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)))
-    };
+    let mut relay =
+        idem::relay::RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)));
+    relay.until_empty = true;
     let report = idem::relay::run(
         &env.pool,
         &relay,

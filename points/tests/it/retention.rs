@@ -10,7 +10,7 @@ use idem::broker::Outgoing;
 use idem::handler::Handler;
 use idem::store::filter::EpochCounters;
 use idem::store::{Applier, Filters, Store, retention};
-use idem::worker::{EpochSettings, Mode, WorkerConfig};
+use idem::worker::{EpochSettings, Mode};
 use idem_points::points::{PaymentSucceeded, Points};
 
 use crate::helpers::{
@@ -303,13 +303,11 @@ async fn a_worker_opens_epochs_by_size_and_finds_earlier_events_through_their_fi
     const WAVE: usize = 3000;
     let env = TestEnv::new().await?;
     let epochs_before = epoch_numbers(&env).await?.len();
-    let config = WorkerConfig {
-        epochs: EpochSettings {
-            max_records: Some(1000),
-            interval: Duration::from_millis(100),
-            ..EpochSettings::default()
-        },
-        ..env.worker_config(Mode::Batch)
+    let mut config = env.worker_config(Mode::Batch);
+    config.epochs = EpochSettings {
+        max_records: Some(1000),
+        interval: Duration::from_millis(100),
+        ..EpochSettings::default()
     };
     let worker = RunningWorker::start(config);
     let wave = |n: usize| -> Vec<PaymentSucceeded> {
@@ -386,13 +384,11 @@ async fn a_worker_opens_epochs_by_size_and_finds_earlier_events_through_their_fi
 async fn without_memory_for_filters_no_epoch_opens_by_size_and_earlier_events_are_still_found()
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let config = WorkerConfig {
-        epochs: EpochSettings {
-            max_records: Some(100),
-            filter_memory: 0,
-            interval: Duration::from_millis(100),
-        },
-        ..env.worker_config(Mode::Batch)
+    let mut config = env.worker_config(Mode::Batch);
+    config.epochs = EpochSettings {
+        max_records: Some(100),
+        filter_memory: 0,
+        interval: Duration::from_millis(100),
     };
     let epochs = epoch_numbers(&env).await?;
     let worker = RunningWorker::start(config);

@@ -132,26 +132,25 @@ async fn idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, Stri
 }
 
 fn config(env: &TestEnv, filter: Filter) -> DlqConfig {
-    DlqConfig {
-        amqp: env.amqp.clone(),
-        database: env.database.clone(),
-        consumer_group: GROUP.into(),
-        dead_letter_queue: env.topology.dead_letter_queue.clone(),
-        filter,
-        limit: None,
-        every_letter: false,
-        patience: patient(Duration::from_secs(5)),
-    }
+    let mut config = DlqConfig::new(
+        env.amqp.clone(),
+        env.database.clone(),
+        GROUP,
+        env.topology.dead_letter_queue.clone(),
+        patient(Duration::from_secs(5)),
+    );
+    config.filter = filter;
+    config
 }
 
 async fn run(env: &TestEnv, filter: Filter, action: Action) -> anyhow::Result<Report> {
-    dlq::run(
+    Ok(dlq::run(
         &config(env, filter),
         &action,
         &Points,
         &CancellationToken::new(),
     )
-    .await
+    .await?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -519,10 +518,8 @@ async fn a_replay_the_broker_nacks_goes_again_on_a_fresh_channel_until_it_is_con
     }
     // Behind a slow consumer, most replays are nacked at first.
     let consumer = SlowConsumer::start(&env.amqp, &queue, Duration::from_millis(500)).await?;
-    let config = DlqConfig {
-        patience: patient(Duration::from_secs(30)),
-        ..config(&env, Filter::default())
-    };
+    let mut config = config(&env, Filter::default());
+    config.patience = patient(Duration::from_secs(30));
     let action = Action::Replay {
         rate: None,
         include_invalid: false,
