@@ -11,18 +11,19 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use deadpool_postgres::{Object, Pool};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use lapin::Connection;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::{Notify, watch};
+use tokio_postgres::Client;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, Transaction};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use super::strategy::{Step, Strategy};
+use super::strategy::{Effect, Hands, On, Step, Stop, Strategy};
 use crate::points::PaymentSucceeded;
 use idem::broker::{AmqpConfig, close_channel};
 use idem::trial::{self, Load, Tally};
@@ -355,56 +356,6 @@ impl Gate {
     }
 }
 
-/// Why a strategy stopped handling a delivery.
-#[derive(Debug)]
-pub(crate) enum Stop {
-    /// The lab killed the consumer.
-    Crash,
-    /// A statement failed; the delivery is given back unless it was acked.
-    Failed(String),
-    /// The broker failed the lab.
-    Broker(lapin::Error),
-}
-
-impl From<tokio_postgres::Error> for Stop {
-    fn from(error: tokio_postgres::Error) -> Self {
-        Stop::Failed(idem::store::describe(&error))
-    }
-}
-
-impl From<redis::RedisError> for Stop {
-    fn from(error: redis::RedisError) -> Self {
-        Stop::Failed(error.to_string())
-    }
-}
-
-/// The points statement a strategy runs.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Effect {
-    /// Add the event's points.
-    Add,
-    /// Add them if the row's version is still this one.
-    AddAt(i64),
-}
-
-/// Where a statement runs: on its own, or in a transaction.
-pub(crate) enum On<'a, 'tx> {
-    Session(&'a Client),
-    Tx(&'a Transaction<'tx>),
-}
-
-impl<'a> From<&'a Client> for On<'a, 'static> {
-    fn from(client: &'a Client) -> Self {
-        On::Session(client)
-    }
-}
-
-impl<'a, 'tx> From<&'a Transaction<'tx>> for On<'a, 'tx> {
-    fn from(tx: &'a Transaction<'tx>) -> Self {
-        On::Tx(tx)
-    }
-}
-
 /// One delivery as a strategy sees it: the event, and the lab's hands on
 /// what happens between the strategy's steps.
 pub(crate) struct Delivered<'a> {
@@ -420,30 +371,32 @@ pub(crate) struct Delivered<'a> {
 }
 
 impl Delivered<'_> {
-    pub(crate) fn event_id(&self) -> &str {
-        &self.event.event_id
-    }
-
-    pub(crate) fn order_id(&self) -> &str {
-        &self.event.order_id
-    }
-
-    pub(crate) fn redis_key(&self) -> String {
-        redis_key(&self.run.key_prefix, &self.event.event_id)
-    }
-
-    pub(crate) fn redis_ttl_ms(&self) -> u64 {
-        u64::try_from(self.run.redis_ttl.as_millis()).unwrap_or(u64::MAX)
-    }
-
     /// The first delivery of an event is the one the faults hit; its
     /// redelivery is what the strategy must get right.
     fn first(&self) -> bool {
         self.first
     }
+}
+
+impl Hands for Delivered<'_> {
+    fn event_id(&self) -> &str {
+        &self.event.event_id
+    }
+
+    fn order_id(&self) -> &str {
+        &self.event.order_id
+    }
+
+    fn redis_key(&self) -> String {
+        redis_key(&self.run.key_prefix, &self.event.event_id)
+    }
+
+    fn redis_ttl_ms(&self) -> u64 {
+        u64::try_from(self.run.redis_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
 
     /// The strategy finished `step`: the consumer dies here if the fault says so.
-    pub(crate) fn after(&self, step: Step) -> Result<(), Stop> {
+    fn after(&self, step: Step) -> Result<(), Stop> {
         match self.run.fault {
             Fault::Killed(at) if at == step && self.first() => Err(Stop::Crash),
             _ => Ok(()),
@@ -451,59 +404,60 @@ impl Delivered<'_> {
     }
 
     /// The strategy has decided the event is new and is about to act on it.
-    pub(crate) async fn gate(&self) {
-        if let Some(gate) = &self.run.gate
-            && !self.gated.swap(true, Ordering::Relaxed)
-        {
-            gate.pass(&self.event.event_id).await;
-        }
+    fn gate(&self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if let Some(gate) = &self.run.gate
+                && !self.gated.swap(true, Ordering::Relaxed)
+            {
+                gate.pass(&self.event.event_id).await;
+            }
+        })
     }
 
     /// Runs the points statement (or, under [`Fault::EffectFails`], one
     /// that fails); the rows it changed.
-    pub(crate) async fn effect<'a, 'tx>(
-        &self,
-        on: impl Into<On<'a, 'tx>>,
-        effect: Effect,
-    ) -> Result<u64, Stop>
-    where
-        'tx: 'a,
-    {
-        let order = self.order_id();
-        let points = &self.event.points;
-        let (sql, params): (&str, Vec<&(dyn ToSql + Sync)>) = match &effect {
-            _ if self.run.fault == Fault::EffectFails && self.first() => ("SELECT 1 / 0", vec![]),
-            Effect::Add => (
-                "UPDATE points SET points = points + $2, version = version + 1 \
-                 WHERE order_id = $1",
-                vec![&order, points],
-            ),
-            Effect::AddAt(version) => (
-                "UPDATE points SET points = points + $2, version = version + 1 \
-                 WHERE order_id = $1 AND version = $3",
-                vec![&order, points, version],
-            ),
-        };
-        let changed = match on.into() {
-            On::Session(client) => client.execute(sql, &params).await?,
-            On::Tx(tx) => tx.execute(sql, &params).await?,
-        };
-        Ok(changed)
+    fn effect<'a>(&'a self, on: On<'a, 'a>, effect: Effect) -> BoxFuture<'a, Result<u64, Stop>> {
+        Box::pin(async move {
+            let order = self.order_id();
+            let points = &self.event.points;
+            let (sql, params): (&str, Vec<&(dyn ToSql + Sync)>) = match &effect {
+                _ if self.run.fault == Fault::EffectFails && self.first() => {
+                    ("SELECT 1 / 0", vec![])
+                }
+                Effect::Add => (
+                    "UPDATE points SET points = points + $2, version = version + 1 \
+                     WHERE order_id = $1",
+                    vec![&order, points],
+                ),
+                Effect::AddAt(version) => (
+                    "UPDATE points SET points = points + $2, version = version + 1 \
+                     WHERE order_id = $1 AND version = $3",
+                    vec![&order, points, version],
+                ),
+            };
+            let changed = match on {
+                On::Session(client) => client.execute(sql, &params).await?,
+                On::Tx(tx) => tx.execute(sql, &params).await?,
+            };
+            Ok(changed)
+        })
     }
 
     /// Acks the delivery.
-    pub(crate) async fn ack(&self) -> Result<(), Stop> {
-        self.delivery
-            .ack(BasicAckOptions::default())
-            .await
-            .map_err(Stop::Broker)?;
-        self.acked.store(true, Ordering::Relaxed);
-        self.run.acked.send_modify(|n| *n += 1);
-        Ok(())
+    fn ack(&self) -> BoxFuture<'_, Result<(), Stop>> {
+        Box::pin(async move {
+            self.delivery
+                .ack(BasicAckOptions::default())
+                .await
+                .map_err(Stop::Broker)?;
+            self.acked.store(true, Ordering::Relaxed);
+            self.run.acked.send_modify(|n| *n += 1);
+            Ok(())
+        })
     }
 
     /// A version check failed.
-    pub(crate) fn conflict(&self) {
+    fn conflict(&self) {
         self.run.conflicts.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -5,7 +5,85 @@
 use redis::aio::MultiplexedConnection;
 use tokio_postgres::Client;
 
-use super::run::{Delivered, Effect, Stop};
+use futures::future::BoxFuture;
+use tokio_postgres::Transaction;
+
+/// Why a strategy stopped handling a delivery.
+#[derive(Debug)]
+pub(crate) enum Stop {
+    /// The lab killed the consumer.
+    Crash,
+    /// A statement failed; the delivery is given back unless it was acked.
+    Failed(String),
+    /// The broker failed the lab.
+    Broker(lapin::Error),
+}
+
+impl From<tokio_postgres::Error> for Stop {
+    fn from(error: tokio_postgres::Error) -> Self {
+        Stop::Failed(idem::store::describe(&error))
+    }
+}
+
+impl From<redis::RedisError> for Stop {
+    fn from(error: redis::RedisError) -> Self {
+        Stop::Failed(error.to_string())
+    }
+}
+
+/// The points statement a strategy runs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Effect {
+    /// Add the event's points.
+    Add,
+    /// Add them if the row's version is still this one.
+    AddAt(i64),
+}
+
+/// Where a statement runs: on its own, or in a transaction.
+pub(crate) enum On<'a, 'tx> {
+    Session(&'a Client),
+    Tx(&'a Transaction<'tx>),
+}
+
+impl<'a> From<&'a Client> for On<'a, 'static> {
+    fn from(client: &'a Client) -> Self {
+        On::Session(client)
+    }
+}
+
+impl<'a, 'tx> From<&'a Transaction<'tx>> for On<'a, 'tx> {
+    fn from(tx: &'a Transaction<'tx>) -> Self {
+        On::Tx(tx)
+    }
+}
+
+/// What a strategy does with one delivery besides its own statements: the
+/// event it carries, the points statement, the ack, and the lab's hands on
+/// what happens between its steps (a kill, a gate). The lab's runner holds
+/// the delivery; the strategies know only this.
+pub(crate) trait Hands: Sync {
+    /// The event's id.
+    fn event_id(&self) -> &str;
+    /// The order its points go to.
+    fn order_id(&self) -> &str;
+    /// The event's Redis key.
+    fn redis_key(&self) -> String;
+    /// How long that key lives.
+    fn redis_ttl_ms(&self) -> u64;
+    /// The strategy finished `step`: the consumer dies here if the fault says so.
+    fn after(&self, step: Step) -> Result<(), Stop>;
+    /// The strategy has decided the event is new and is about to act on it.
+    fn gate(&self) -> BoxFuture<'_, ()>;
+    /// Runs the points statement `on` a session or a transaction (or,
+    /// under the fault that makes it fail, one that fails); the rows it
+    /// changed.
+    fn effect<'a>(&'a self, on: On<'a, 'a>, effect: Effect) -> BoxFuture<'a, Result<u64, Stop>>;
+    /// Acks the delivery.
+    fn ack(&self) -> BoxFuture<'_, Result<(), Stop>>;
+    /// A version check failed.
+    fn conflict(&self);
+}
 
 /// A way to make a redelivered event's effect happen once (or not).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -175,7 +253,7 @@ impl Strategy {
         self,
         db: &mut Client,
         redis: &mut MultiplexedConnection,
-        d: &Delivered<'_>,
+        d: &impl Hands,
     ) -> Result<(), Stop> {
         let id = d.event_id();
         match self {
@@ -186,7 +264,7 @@ impl Strategy {
                     return d.ack().await;
                 }
                 d.gate().await;
-                d.effect(&*db, Effect::Add).await?;
+                d.effect(On::from(&*db), Effect::Add).await?;
                 d.after(Step::Effect)?;
                 let record = if self == Strategy::CheckThenAct {
                     RECORD
@@ -203,7 +281,7 @@ impl Strategy {
                 d.after(Step::Check)?;
                 if !seen {
                     d.gate().await;
-                    d.effect(&tx, Effect::Add).await?;
+                    d.effect(On::from(&tx), Effect::Add).await?;
                     d.after(Step::Effect)?;
                     tx.execute(RECORD, &[&id]).await?;
                     d.after(Step::Record)?;
@@ -230,7 +308,7 @@ impl Strategy {
                 }
                 d.gate().await;
                 let tx = db.transaction().await?;
-                let updated = d.effect(&tx, Effect::AddAt(version)).await?;
+                let updated = d.effect(On::from(&tx), Effect::AddAt(version)).await?;
                 d.after(Step::Effect)?;
                 if updated == 0 {
                     // The version moved: another delivery changed the row.
@@ -260,7 +338,7 @@ impl Strategy {
                 d.after(Step::Claim)?;
                 if set.is_some() {
                     d.gate().await;
-                    d.effect(&*db, Effect::Add).await?;
+                    d.effect(On::from(&*db), Effect::Add).await?;
                     d.after(Step::Effect)?;
                 }
                 d.ack().await
@@ -275,7 +353,7 @@ impl Strategy {
                 d.after(Step::Claim)?;
                 if claimed {
                     d.gate().await;
-                    d.effect(&*db, Effect::Add).await?;
+                    d.effect(On::from(&*db), Effect::Add).await?;
                     d.after(Step::Effect)?;
                 }
                 d.ack().await
@@ -286,13 +364,13 @@ impl Strategy {
 
 /// idem's transaction: the record with `ON CONFLICT DO NOTHING`, and the
 /// points only if it went in; committed together.
-async fn claim_and_apply(db: &mut Client, d: &Delivered<'_>) -> Result<(), Stop> {
+async fn claim_and_apply(db: &mut Client, d: &impl Hands) -> Result<(), Stop> {
     let tx = db.transaction().await?;
     let claimed = tx.execute(CLAIM, &[&d.event_id()]).await? == 1;
     d.after(Step::Claim)?;
     if claimed {
         d.gate().await;
-        d.effect(&tx, Effect::Add).await?;
+        d.effect(On::from(&tx), Effect::Add).await?;
         d.after(Step::Effect)?;
     }
     tx.commit().await?;
