@@ -4,17 +4,17 @@
 
 #![allow(unreachable_pub, missing_docs, dead_code)]
 
-#[path = "it/helpers.rs"]
-mod helpers;
+#[path = "it/support/mod.rs"]
+mod support;
 
 use std::time::Duration;
 
 use anyhow::Context;
 
-use helpers::{
+use idem::worker::Mode;
+use support::{
     RunningWorker, TestEnv, amqp_url, database_url, idem_command, patient, rabbitmqctl, wait_for,
 };
-use idem::worker::Mode;
 
 /// Held by the test that raises the broker's alarm, from its first publish
 /// to its last.
@@ -37,14 +37,14 @@ impl Alarm {
             Ok(fraction) if fraction >= 0.05 => watermark,
             _ => "0.4".to_owned(),
         };
-        helpers::rabbitmqctl_run(&["set_vm_memory_high_watermark", "0.000001"])?;
+        support::rabbitmqctl_run(&["set_vm_memory_high_watermark", "0.000001"])?;
         Ok(Self { watermark })
     }
 }
 
 impl Drop for Alarm {
     fn drop(&mut self) {
-        let _ = helpers::rabbitmqctl_run(&["set_vm_memory_high_watermark", &self.watermark]);
+        let _ = support::rabbitmqctl_run(&["set_vm_memory_high_watermark", &self.watermark]);
     }
 }
 

@@ -9,7 +9,7 @@ use tokio::process::Command;
 
 use idem::vars;
 
-use crate::helpers::{amqp_url, database_url, patient};
+use crate::support::{amqp_url, database_url, patient};
 
 /// `idem bench` with `args`: what it printed, once it succeeded (it checks
 /// every run it makes, and fails otherwise).

@@ -9,14 +9,14 @@ use tokio::process::Command;
 use idem::store::migrate;
 use idem_points::points::PaymentSucceeded;
 
-use crate::helpers::{
+use crate::support::{
     GROUP, TestEnv, amqp_url, database_url, patient, wait_for, worker_exits_at_once,
 };
 use idem::worker::Mode;
 
 /// `idem` pointed at `env`'s schema and topology and the local services.
 fn idem(env: &TestEnv) -> Command {
-    crate::helpers::idem_command(env, &amqp_url(), &database_url())
+    crate::support::idem_command(env, &amqp_url(), &database_url())
 }
 
 async fn output(mut command: Command) -> anyhow::Result<(Option<i32>, String, String)> {
@@ -66,10 +66,10 @@ async fn refused_credentials_or_vhost_end_the_worker_at_once_without_echoing_the
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     for url in [
-        crate::helpers::amqp_url_with(|url| {
+        crate::support::amqp_url_with(|url| {
             let _ = url.set_password(Some("not-the-password"));
         }),
-        crate::helpers::amqp_url_on("no-such-vhost-for-idem"),
+        crate::support::amqp_url_on("no-such-vhost-for-idem"),
     ] {
         let mut command = idem(&env);
         command.env("AMQP_URL", &url);
@@ -293,7 +293,7 @@ async fn an_unknown_database_or_an_unmigrated_schema_ends_the_worker_at_once() -
     let cases = [
         (
             "DATABASE_URL",
-            crate::helpers::database_url_in("idem_no_such_database"),
+            crate::support::database_url_in("idem_no_such_database"),
             "does not exist",
         ),
         (
@@ -316,7 +316,7 @@ async fn a_user_without_permission_on_its_queue_ends_the_worker_at_once() -> any
     let env = TestEnv::new().await?;
     // Configure and write, but no read: declaring a queue with a
     // dead-letter exchange needs read permission on it.
-    let vhost = crate::helpers::Vhost::add(".*", ".*", "^$")?;
+    let vhost = crate::support::Vhost::add(".*", ".*", "^$")?;
     let mut command = idem(&env);
     command.env("AMQP_URL", vhost.amqp_url());
     let stderr = worker_exits_at_once(command).await?;
@@ -336,7 +336,7 @@ async fn a_migrate_that_cannot_connect_says_why_once_in_one_line() -> anyhow::Re
     command
         .env(
             "DATABASE_URL",
-            crate::helpers::database_url_with(|url| {
+            crate::support::database_url_with(|url| {
                 let _ = url.set_username("idem_no_such_role");
                 let _ = url.set_password(Some("hunter2"));
             }),
@@ -361,9 +361,9 @@ async fn worker_holding_deliveries(
     database: &crate::proxy::Proxy,
     load: &[PaymentSucceeded],
     shutdown_timeout: &str,
-) -> anyhow::Result<crate::helpers::WorkerProcess> {
+) -> anyhow::Result<crate::support::WorkerProcess> {
     env.publish_events(load).await?;
-    let worker = crate::helpers::WorkerProcess::spawn(
+    let worker = crate::support::WorkerProcess::spawn(
         env,
         mode,
         &amqp_url(),
@@ -388,8 +388,8 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = crate::proxy::Proxy::start(crate::helpers::postgres_address()).await?;
-    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let database = crate::proxy::Proxy::start(crate::support::postgres_address()).await?;
+    let load = crate::support::load(&env, 300, 0.1, 10);
     let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "2s").await?;
 
     worker.signal("-TERM").await?;
@@ -406,20 +406,20 @@ async fn past_the_shutdown_deadline_the_worker_closes_exits_zero_and_loses_nothi
 
     // What it held went back to the queue: another worker applies it all.
     database.restore();
-    let next = crate::helpers::RunningWorker::start(env.worker_config(mode));
+    let next = crate::support::RunningWorker::start(env.worker_config(mode));
     next.wait_finished(1, Duration::from_secs(30)).await?;
     wait_for("every event", Duration::from_secs(60), || async {
         Ok(env.records(GROUP).await? == idem_points::generate::distinct_events(&load) as i64)
     })
     .await?;
     next.stop().await?;
-    crate::helpers::assert_exact(&env, &load, &[]).await
+    crate::support::assert_exact(&env, &load, &[]).await
 }
 
 async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = crate::proxy::Proxy::start(crate::helpers::postgres_address()).await?;
-    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let database = crate::proxy::Proxy::start(crate::support::postgres_address()).await?;
+    let load = crate::support::load(&env, 300, 0.1, 10);
     // Far longer than the test may take: only the second signal can end it.
     let mut worker = worker_holding_deliveries(&env, mode, &database, &load, "10m").await?;
 
@@ -441,13 +441,13 @@ async fn a_second_signal_exits_at_once(mode: Mode) -> anyhow::Result<()> {
     );
 
     database.restore();
-    let next = crate::helpers::RunningWorker::start(env.worker_config(mode));
+    let next = crate::support::RunningWorker::start(env.worker_config(mode));
     wait_for("every event", Duration::from_secs(60), || async {
         Ok(env.records(GROUP).await? == idem_points::generate::distinct_events(&load) as i64)
     })
     .await?;
     next.stop().await?;
-    crate::helpers::assert_exact(&env, &load, &[]).await
+    crate::support::assert_exact(&env, &load, &[]).await
 }
 
 in_both_modes!(
@@ -582,11 +582,11 @@ async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker
 -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     // Nothing listens on port 1: every attempt is refused at once.
-    let nowhere = &crate::helpers::database_url_at(1);
+    let nowhere = &crate::support::database_url_at(1);
     let server =
         idem::store::DatabaseConfig::new(idem::secret::SecretUrl::new(nowhere.clone())).describe();
     for subcommand in ["migrate", "worker"] {
-        let mut command = crate::helpers::idem_command(&env, &amqp_url(), nowhere);
+        let mut command = crate::support::idem_command(&env, &amqp_url(), nowhere);
         command
             .env("IDEM_STARTUP_TIMEOUT", "2s")
             .env("RUST_LOG", "warn")
@@ -639,12 +639,12 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let load = crate::helpers::load(&env, 200, 0.1, 5);
+    let load = crate::support::load(&env, 200, 0.1, 5);
     // Someone's open transaction holds the points table.
     let (locker, connection) = tokio_postgres::connect(
-        &crate::helpers::database_url_with(|url| {
+        &crate::support::database_url_with(|url| {
             let search_path = format!("-c search_path={}", env.schema);
-            crate::helpers::append_query(url, "options", &search_path);
+            crate::support::append_query(url, "options", &search_path);
         }),
         tokio_postgres::NoTls,
     )
@@ -654,7 +654,7 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
         .batch_execute("BEGIN; LOCK TABLE user_points IN ACCESS EXCLUSIVE MODE")
         .await?;
     env.publish_events(&load).await?;
-    let worker = crate::helpers::WorkerProcess::spawn(
+    let worker = crate::support::WorkerProcess::spawn(
         &env,
         mode,
         &amqp_url(),
@@ -684,7 +684,7 @@ async fn a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_re
     .await?;
     let log = worker.stop().await?;
     assert!(log.contains("database answers again"), "{log}");
-    crate::helpers::assert_exact(&env, &load, &[]).await
+    crate::support::assert_exact(&env, &load, &[]).await
 }
 
 in_both_modes!(a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it_is_released);
@@ -694,10 +694,10 @@ in_both_modes!(a_stray_lock_becomes_a_logged_hold_and_the_worker_goes_on_when_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_says_what_it_leaves_behind_and_clean_removes_it() -> anyhow::Result<()> {
     let env = TestEnv::in_own_database().await?;
-    let vhost = crate::helpers::Vhost::add(".*", ".*", ".*")?;
-    let database = crate::helpers::database_url_in(&env.database_name());
+    let vhost = crate::support::Vhost::add(".*", ".*", ".*")?;
+    let database = crate::support::database_url_in(&env.database_name());
     let demo = |args: &[&str]| {
-        let mut command = crate::helpers::idem_command(&env, &vhost.amqp_url(), &database);
+        let mut command = crate::support::idem_command(&env, &vhost.amqp_url(), &database);
         command
             .env_remove(idem::vars::SCHEMA)
             .arg("demo")
@@ -727,7 +727,7 @@ async fn the_demo_says_what_it_leaves_behind_and_clean_removes_it() -> anyhow::R
         anyhow::Ok(row.try_get::<_, i64>(0)? == 1)
     };
     let queues = || -> anyhow::Result<usize> {
-        let listed = crate::helpers::rabbitmqctl()
+        let listed = crate::support::rabbitmqctl()
             .args(["list_queues", "-q", "-p", &vhost.0, "name"])
             .output()?;
         anyhow::ensure!(listed.status.success(), "rabbitmqctl list_queues failed");

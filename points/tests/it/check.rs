@@ -17,7 +17,7 @@ use idem::handler::{
 use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 
-use crate::helpers::{amqp_url, database_url, patient};
+use crate::support::{amqp_url, database_url, patient};
 
 /// `{"eventId": "t-1", "from": "acct-1", "to": "acct-2", "amount": 10}`
 #[derive(Debug, serde::Deserialize, serde::Serialize)]
@@ -525,7 +525,7 @@ async fn check_binary(
     events: &[Vec<u8>],
     args: &[&str],
 ) -> anyhow::Result<Checked> {
-    let file = std::env::temp_dir().join(format!("{}.jsonl", crate::helpers::unique_name()));
+    let file = std::env::temp_dir().join(format!("{}.jsonl", crate::support::unique_name()));
     std::fs::write(&file, events.join(&b'\n'))?;
     let output = tokio::process::Command::new(binary)
         .env_clear()
@@ -608,7 +608,7 @@ async fn the_points_handler_passes_idem_check() -> anyhow::Result<()> {
 
 #[tokio::test]
 async fn the_stock_example_passes_its_check() -> anyhow::Result<()> {
-    let stock = crate::helpers::example_binary("stock")?;
+    let stock = crate::support::example_binary("stock")?;
     let mut rng = fastrand::Rng::with_seed(5);
     let mut reservations: Vec<Vec<u8>> = (0..300)
         .map(|n| {
@@ -624,7 +624,7 @@ async fn the_stock_example_passes_its_check() -> anyhow::Result<()> {
     // A SKU the table does not know: dead-lettered at once, in every run.
     reservations
         .push(br#"{"eventId": "reservation-lost", "sku": "SKU-NONE", "quantity": 1}"#.to_vec());
-    let setup = std::env::temp_dir().join(format!("{}.sql", crate::helpers::unique_name()));
+    let setup = std::env::temp_dir().join(format!("{}.sql", crate::support::unique_name()));
     std::fs::write(
         &setup,
         "INSERT INTO stock SELECT 'SKU-' || n, 10000 FROM generate_series(0, 7) n",
@@ -647,7 +647,7 @@ async fn the_stock_example_passes_its_check() -> anyhow::Result<()> {
 #[tokio::test]
 async fn the_notifications_example_passes_its_check_with_its_clock_column_left_out()
 -> anyhow::Result<()> {
-    let notifications = crate::helpers::example_binary("notifications")?;
+    let notifications = crate::support::example_binary("notifications")?;
     let credits: Vec<Vec<u8>> = (0..300)
         .map(|n| {
             serde_json::to_vec(&idem_points::points::PointsCredited {

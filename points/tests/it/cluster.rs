@@ -22,7 +22,7 @@ use idem::worker::Mode;
 use idem_points::generate::{LoadSpec, distinct_events};
 use idem_points::points::PaymentSucceeded;
 
-use crate::helpers::{
+use crate::support::{
     GROUP, Removed, TestEnv, WorkerProcess, database_url, free_port, http_get, idem_command,
     patient, sample, unique_name, wait_for,
 };

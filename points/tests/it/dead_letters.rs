@@ -10,7 +10,7 @@ use idem::broker::death::{DEATH_QUEUE_HEADER, REPLAY_HEADER};
 use idem::dlq::{self, Action, DlqConfig, Printed, Report, View};
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{
+use crate::support::{
     GROUP, RunningWorker, TestEnv, Vhost, publish_messages, rabbitmqctl, rabbitmqctl_run, wait_for,
 };
 use idem::broker::Outgoing;
@@ -331,7 +331,7 @@ async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_r
     assert!(report.succeeded(), "{report:?}");
     assert_eq!(report.replayed.len(), limit);
 
-    let body_ids = |letters: Vec<crate::helpers::DeadLetter>| -> anyhow::Result<Vec<String>> {
+    let body_ids = |letters: Vec<crate::support::DeadLetter>| -> anyhow::Result<Vec<String>> {
         letters
             .iter()
             .map(|letter| Ok(PaymentSucceeded::parse(&letter.body)?.event_id))

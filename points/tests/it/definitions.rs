@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::helpers::{
+use crate::support::{
     GROUP, TestEnv, Vhost, WorkerProcess, amqp_url, database_url, idem_command, load, peek,
     rabbitmqctl_run, wait_for,
 };
@@ -91,8 +91,8 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
     // The import finishes in the background: wait until its queues exist,
     // or the worker would declare them first and meet nothing.
     let defaults = idem_points::points::topology();
-    crate::helpers::wait_for("the import", Duration::from_secs(30), || async {
-        let listed = crate::helpers::rabbitmqctl()
+    crate::support::wait_for("the import", Duration::from_secs(30), || async {
+        let listed = crate::support::rabbitmqctl()
             .args([
                 "list_queues",
                 "-q",
@@ -112,7 +112,7 @@ async fn the_broker_accepts_the_worker_topology_over_the_imported_definitions() 
         "set_permissions",
         "-p",
         &vhost.0,
-        &crate::helpers::amqp_user(),
+        &crate::support::amqp_user(),
         ".*",
         ".*",
         ".*",

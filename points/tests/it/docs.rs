@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 
 fn root() -> PathBuf {
-    crate::helpers::repository()
+    crate::support::repository()
 }
 
 fn guide() -> PathBuf {

@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use idem_points::points::PaymentSucceeded;
 
-use crate::helpers::{
+use crate::proxy::Proxy;
+use crate::support::{
     GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_host_port, amqp_url,
     amqp_url_at, amqp_user, assert_exact, database_url, free_port, idem_command, load, patient,
     postgres_address, postgres_host_port, run_idem, wait_for,
 };
-use crate::proxy::Proxy;
 use idem::worker::Mode;
 
 /// Messages for a load that lasts while faults are injected: batch mode
@@ -243,7 +243,7 @@ async fn a_poison_message_is_dead_lettered_after_exactly_its_attempts_though_wor
         "the failing transaction ran {ran} times"
     );
 
-    let listing = crate::helpers::idem_command(&env, &amqp_url(), &database_url())
+    let listing = crate::support::idem_command(&env, &amqp_url(), &database_url())
         .args(["requeue", "--dry-run"])
         .output()
         .await?;
@@ -565,7 +565,7 @@ async fn a_filtered_replay_cut_off_mid_way_leaves_exactly_the_letters_it_did_not
             report.stopped_early,
         )));
     }
-    let event_ids = |letters: Vec<crate::helpers::DeadLetter>| {
+    let event_ids = |letters: Vec<crate::support::DeadLetter>| {
         let parsed: Result<Vec<String>, _> = letters
             .iter()
             .map(|letter| PaymentSucceeded::parse(&letter.body).map(|event| event.event_id))
@@ -920,7 +920,7 @@ impl OwnServer {
             .ok_or_else(|| anyhow::anyhow!("no PostgreSQL version in /etc/postgresql"))?;
         let server = Self {
             version,
-            name: crate::helpers::unique_name(),
+            name: crate::support::unique_name(),
             port: free_port()?,
         };
         let port = server.port.to_string();

@@ -8,7 +8,7 @@ use idem::handler::{Handler, HandlerError, Invalid, Outbox, Transaction};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{RunningWorker, TestEnv, assert_exact, load, wait_for};
+use crate::support::{RunningWorker, TestEnv, assert_exact, load, wait_for};
 
 /// What goes wrong on the chosen event.
 #[derive(Debug, Clone, Copy)]

@@ -6,7 +6,7 @@ use std::time::Duration;
 use idem_points::generate::{self, LoadSpec};
 use idem_points::points::PaymentSucceeded;
 
-use crate::helpers::{GROUP, RunningWorker, TestEnv};
+use crate::support::{GROUP, RunningWorker, TestEnv};
 use idem::worker::Mode;
 
 fn payment(event_id: &str, order_id: &str, points: i64) -> PaymentSucceeded {
@@ -70,7 +70,7 @@ async fn two_workers_on_one_queue_apply_each_event_once(mode: Mode) -> anyhow::R
     let first = RunningWorker::start(env.worker_config(mode));
     let second = RunningWorker::start(env.worker_config(mode));
     let total = load.len() as u64;
-    crate::helpers::wait_for(
+    crate::support::wait_for(
         "every delivery finished by two workers",
         Duration::from_secs(60),
         || async {

@@ -14,7 +14,7 @@ use idem_points::commands::lab::{
     self, Column, Fault, LabConfig, LabReport, Row, Step, Strategy, Tally,
 };
 
-use crate::helpers::{amqp_url, database_url, patient, unique_name};
+use crate::support::{amqp_url, database_url, patient, unique_name};
 
 /// The Redis the lab's Redis strategy uses: `IDEM_TEST_REDIS_URL`, or the
 /// local one.
@@ -188,7 +188,7 @@ async fn assert_removed(name: &str) -> anyhow::Result<()> {
     for strategy in Strategy::ALL {
         let queue = format!("{name}.{}", strategy.slug());
         assert!(
-            crate::helpers::ready(&amqp, &queue).await.is_err(),
+            crate::support::ready(&amqp, &queue).await.is_err(),
             "{queue} was left"
         );
     }

@@ -11,7 +11,7 @@ use idem::store::{ReadyError, Store};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{GROUP, RunningWorker, TestEnv};
+use crate::support::{GROUP, RunningWorker, TestEnv};
 
 /// A schema beside `env`'s, removed when the test ends however it ends.
 struct Schema {
@@ -92,7 +92,7 @@ impl Schema {
 
 impl Drop for Schema {
     fn drop(&mut self) {
-        crate::helpers::clean_up(crate::helpers::drop_schema(self.name.clone()));
+        crate::support::clean_up(crate::support::drop_schema(self.name.clone()));
     }
 }
 
@@ -273,7 +273,7 @@ async fn epochs_closed_before_filters_get_one_and_still_deduplicate() -> anyhow:
     let mut config = env.worker_config(Mode::Batch);
     config.database.schema = Some(old.name.clone());
     let worker = RunningWorker::start(config);
-    crate::helpers::wait_for(
+    crate::support::wait_for(
         "the closed epoch's filter",
         Duration::from_secs(20),
         || async {
@@ -299,7 +299,7 @@ async fn epochs_closed_before_filters_get_one_and_still_deduplicate() -> anyhow:
     assert_eq!((stats.applied, stats.duplicates), (1, 3));
     assert_eq!(old.points("order-1").await?, 105);
     assert!(
-        crate::helpers::sample(&metrics, "idem_epoch_lookups_total", &[])
+        crate::support::sample(&metrics, "idem_epoch_lookups_total", &[])
             .is_some_and(|lookups| lookups >= 1.0),
         "{metrics}"
     );

@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use idem::worker::Mode;
 
-use crate::helpers::{
+use crate::proxy::Proxy;
+use crate::support::{
     RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, database_url, free_port,
     http_get, load, sample, wait_for,
 };
-use crate::proxy::Proxy;
 
 /// Starts a worker with `config` and its endpoints on a free port, and
 /// waits until `/readyz` says it is ready.
@@ -115,7 +115,7 @@ async fn the_worker_is_not_ready_while_it_holds_deliveries_for_the_database(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
-    let database = Proxy::start(crate::helpers::postgres_address()).await?;
+    let database = Proxy::start(crate::support::postgres_address()).await?;
     let (worker, port) =
         start_ready(env.worker_config_via(mode, None, Some(database.port))).await?;
     database.sever();
@@ -191,7 +191,7 @@ async fn the_worker_logs_what_it_did_at_an_interval_and_its_totals_when_it_stops
         worker.log()
     );
     wait_for("every event", Duration::from_secs(30), || async {
-        Ok(env.records(crate::helpers::GROUP).await?
+        Ok(env.records(crate::support::GROUP).await?
             == idem_points::generate::distinct_events(&load) as i64)
     })
     .await?;
@@ -258,7 +258,7 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
     )
     .await?;
 
-    let output = crate::helpers::idem_command(&env, &amqp_url(), &database_url())
+    let output = crate::support::idem_command(&env, &amqp_url(), &database_url())
         .args(["status", "--retry-delays", "60s"])
         .output()
         .await?;

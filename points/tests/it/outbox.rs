@@ -18,7 +18,7 @@ use idem_points::points::{
     Announcing, CREDITED_ROUTING_KEY, PaymentSucceeded, Points, PointsCredited,
 };
 
-use crate::helpers::{
+use crate::support::{
     DeadLetter, GROUP, RunningWorker, TestEnv, Untallied, Vhost, WorkerProcess, amqp_url,
     database_url, example_binary, idem_command, load, patient, wait_for,
 };
@@ -406,7 +406,7 @@ async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_k
         WorkerProcess::start(command)
     };
     let points_topology = idem::broker::Topology {
-        retry_delays: crate::helpers::TEST_RETRY_DELAYS.to_vec(),
+        retry_delays: crate::support::TEST_RETRY_DELAYS.to_vec(),
         ..idem_points::points::topology()
     };
     let upstream = || {
@@ -425,7 +425,7 @@ async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_k
         Duration::from_secs(30),
         || async {
             Ok(
-                crate::helpers::ready(&amqp, "notifications.points-credited")
+                crate::support::ready(&amqp, "notifications.points-credited")
                     .await
                     .is_ok(),
             )
@@ -447,7 +447,7 @@ async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_k
     .await?;
     let events = load(&env, 4000, 0.1, 40);
     let bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
-    crate::helpers::publish(&amqp, &points_topology, &bodies).await?;
+    crate::support::publish(&amqp, &points_topology, &bodies).await?;
 
     let queued = || async {
         let client = env.pool.get().await?;
@@ -516,7 +516,7 @@ async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_k
         "points.payment-succeeded.dlq",
         "notifications.points-credited.dlq",
     ] {
-        assert_eq!(crate::helpers::ready(&amqp, queue).await?, 0, "{queue}");
+        assert_eq!(crate::support::ready(&amqp, queue).await?, 0, "{queue}");
     }
     Ok(())
 }
@@ -541,10 +541,10 @@ async fn a_relay_cut_off_from_the_broker_three_times_loses_no_message() -> anyho
     assert_eq!(unsent(&env).await?, want.len() as i64);
 
     // Then one relay, through a proxy that cuts its connection three times.
-    let broker = crate::proxy::Proxy::start(crate::helpers::amqp_address()).await?;
+    let broker = crate::proxy::Proxy::start(crate::support::amqp_address()).await?;
     let mut relay = idem::relay::RelayConfig::new(
         idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port))),
-        crate::helpers::patient(Duration::from_secs(10)),
+        crate::support::patient(Duration::from_secs(10)),
     );
     relay.batch_size = 50;
     let counters = idem::relay::RelayCounters::default();

@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use idem::broker::{Outgoing, PublishOptions, Refusal, SessionError, publish_all};
 
-use crate::helpers::{SlowConsumer, TestEnv, patient};
+use crate::support::{SlowConsumer, TestEnv, patient};
 
 fn message(exchange: &str, routing_key: &str, body: &[u8]) -> Outgoing {
     Outgoing::json(exchange, routing_key, body.to_vec())

@@ -11,7 +11,7 @@ use idem::dlq::{self, Action};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{
+use crate::support::{
     GROUP, RunningWorker, TestEnv, amqp_url, database_url, idem_command, load, patient,
     unique_name, wait_for,
 };

@@ -13,7 +13,7 @@ use idem::store::{Applier, Filters, Store, retention};
 use idem::worker::{EpochSettings, Mode};
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{
+use crate::support::{
     GROUP, RunningWorker, TestEnv, Untallied, WorkerProcess, amqp_url, apply, database_url,
     idem_command, publish_messages, run_idem, sample, wait_for,
 };
@@ -697,7 +697,7 @@ async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_sh
     let env = TestEnv::new().await?;
     let mut command = idem_command(&env, &amqp_url(), &database_url());
     command.env(idem::vars::RETENTION, "1d");
-    let line = crate::helpers::worker_exits_at_once_with(command, 2).await?;
+    let line = crate::support::worker_exits_at_once_with(command, 2).await?;
     assert!(
         line.contains("--retention: a window of 1d is shorter than --min-retention (7d)"),
         "{line}"

@@ -10,7 +10,7 @@ use idem::handler::{Handler, HandlerError, Invalid, Outbox, Transaction};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{
+use crate::support::{
     GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, database_url, load,
     patient, wait_for,
 };

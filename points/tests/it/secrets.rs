@@ -10,7 +10,7 @@ use futures::StreamExt;
 
 use idem::vars;
 
-use crate::helpers::{
+use crate::support::{
     TestEnv, amqp_host_port, amqp_url, database_url, idem_command, patient, postgres_host_port,
 };
 

@@ -15,11 +15,11 @@ use idem::store::DatabaseConfig;
 use idem::vars;
 use idem::worker::Mode;
 
-use crate::helpers::{
+use crate::proxy::Proxy;
+use crate::support::{
     TEST_RETRY_DELAYS, Vhost, WorkerProcess, clean_up, database_url, drop_schema, example_binary,
     peek, publish, ready, unique_name, wait_for,
 };
-use crate::proxy::Proxy;
 
 /// The example's topology and consumer group: its own, not the points
 /// worker's; with the tests' short retry delays, which the example is told.
@@ -128,7 +128,7 @@ impl StockEnv {
 
     /// The database's URL through a proxy on `port`.
     fn database_url_via(port: u16) -> String {
-        crate::helpers::database_url_at(port)
+        crate::support::database_url_at(port)
     }
 
     async fn sql(&self, statements: &str) -> anyhow::Result<()> {
@@ -348,7 +348,7 @@ async fn a_database_outage_holds_stock_reservations_and_dead_letters_none(
     mode: Mode,
 ) -> anyhow::Result<()> {
     let env = StockEnv::new().await?;
-    let database = Proxy::start(crate::helpers::postgres_address()).await?;
+    let database = Proxy::start(crate::support::postgres_address()).await?;
     let load = reservations(&env, 3000, 20);
     stock_up(&env, &load, 1_000_000).await?;
     let bodies: Vec<Vec<u8>> = load.iter().map(Reservation::body).collect();
@@ -505,7 +505,7 @@ in_both_modes!(
 #[test]
 fn the_stock_service_fits_in_a_screen() -> anyhow::Result<()> {
     let source =
-        std::fs::read_to_string(crate::helpers::repository().join("examples/stock/main.rs"))?;
+        std::fs::read_to_string(crate::support::repository().join("examples/stock/main.rs"))?;
     let code = source
         .lines()
         .map(str::trim)

@@ -17,7 +17,7 @@ use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use idem::secret::SecretUrl;
 use idem::worker::Mode;
 
-use crate::helpers::{RunningWorker, TestEnv, assert_exact};
+use crate::support::{RunningWorker, TestEnv, assert_exact};
 
 /// The code of PostgreSQL's SSLRequest message.
 const SSL_REQUEST: u32 = 80_877_103;
@@ -74,8 +74,8 @@ enum Protocol {
 impl Protocol {
     fn upstream(self) -> std::net::SocketAddr {
         match self {
-            Protocol::Postgres => crate::helpers::postgres_address(),
-            Protocol::Amqp => crate::helpers::amqp_address(),
+            Protocol::Postgres => crate::support::postgres_address(),
+            Protocol::Amqp => crate::support::amqp_address(),
         }
     }
 }
@@ -129,17 +129,17 @@ impl TlsProxy {
     }
 
     fn url_with(&self, env: &TestEnv, sslmode: &str) -> String {
-        crate::helpers::database_url_with(|url| {
+        crate::support::database_url_with(|url| {
             let _ = url.set_host(Some("127.0.0.1"));
             let _ = url.set_port(Some(self.port));
-            crate::helpers::append_query(url, "sslmode", sslmode);
-            crate::helpers::append_query(url, "application_name", &env.name);
+            crate::support::append_query(url, "sslmode", sslmode);
+            crate::support::append_query(url, "application_name", &env.name);
         })
     }
 
     /// Its `amqps://` URL.
     fn amqps_url(&self) -> String {
-        crate::helpers::amqp_url_with(|url| {
+        crate::support::amqp_url_with(|url| {
             let _ = url.set_scheme("amqps");
             let _ = url.set_host(Some("127.0.0.1"));
             let _ = url.set_port(Some(self.port));
@@ -231,10 +231,10 @@ async fn applies_through(
 /// Runs `idem worker` as `command` says, and asserts that it exits 1 at
 /// once with one line that says `says` and no password.
 async fn worker_ends_at_once(command: tokio::process::Command, says: &str) -> anyhow::Result<()> {
-    let stderr = crate::helpers::worker_exits_at_once(command).await?;
+    let stderr = crate::support::worker_exits_at_once(command).await?;
     assert!(stderr.contains(says), "{says:?} not in {stderr}");
     assert!(
-        !stderr.contains(&crate::helpers::amqp_credentials()),
+        !stderr.contains(&crate::support::amqp_credentials()),
         "{stderr}"
     );
     Ok(())
@@ -246,7 +246,7 @@ async fn with_sslmode_verify_full_the_worker_verifies_the_server_and_applies_ove
     let env = TestEnv::new().await?;
     let ca = TestCa::new(&env, "trusted")?;
     let postgres = TlsProxy::start(&ca, Protocol::Postgres).await?;
-    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let load = crate::support::load(&env, 300, 0.1, 10);
     env.publish_events(&load).await?;
 
     let mut config = env.worker_config(Mode::Batch);
@@ -264,12 +264,12 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
     let other = TestCa::new(&env, "other")?;
     let postgres = TlsProxy::start(&trusted, Protocol::Postgres).await?;
     let not_pem = TempFile::write(&env, "not-a-ca.pem", "not a certificate\n")?;
-    let plain = crate::helpers::database_url();
+    let plain = crate::support::database_url();
     let no_tls = NoTlsServer::start().await?;
-    let no_tls_url = crate::helpers::database_url_with(|url| {
+    let no_tls_url = crate::support::database_url_with(|url| {
         let _ = url.set_port(Some(no_tls.port));
         let _ = url.set_host(Some("127.0.0.1"));
-        crate::helpers::append_query(url, "sslmode", "require");
+        crate::support::append_query(url, "sslmode", "require");
     });
     let cases = [
         // Signed by a CA the worker was not told to trust.
@@ -294,7 +294,7 @@ async fn a_server_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         (plain, Some(trusted.file()), "does not say sslmode=require"),
     ];
     for (url, ca_file, says) in cases {
-        let mut command = crate::helpers::idem_command(&env, &crate::helpers::amqp_url(), &url);
+        let mut command = crate::support::idem_command(&env, &crate::support::amqp_url(), &url);
         if let Some(file) = ca_file {
             command.env("IDEM_DATABASE_CA_FILE", file);
         }
@@ -309,7 +309,7 @@ async fn over_amqps_with_a_ca_file_the_worker_verifies_the_broker_and_applies() 
     let env = TestEnv::new().await?;
     let ca = TestCa::new(&env, "broker")?;
     let broker = TlsProxy::start(&ca, Protocol::Amqp).await?;
-    let load = crate::helpers::load(&env, 300, 0.1, 10);
+    let load = crate::support::load(&env, 300, 0.1, 10);
     env.publish_events(&load).await?;
 
     let mut config = env.worker_config(Mode::Batch);
@@ -342,13 +342,13 @@ async fn a_broker_certificate_that_does_not_verify_or_a_bad_ca_file_ends_the_wor
         ),
         // A CA file would be ignored: say so rather than connect in plain text.
         (
-            crate::helpers::amqp_url(),
+            crate::support::amqp_url(),
             Some(trusted.file()),
             "not amqps://",
         ),
     ];
     for (url, ca_file, says) in cases {
-        let mut command = crate::helpers::idem_command(&env, &url, &crate::helpers::database_url());
+        let mut command = crate::support::idem_command(&env, &url, &crate::support::database_url());
         if let Some(file) = ca_file {
             command.env("IDEM_AMQP_CA_FILE", file);
         }

@@ -15,7 +15,7 @@ use idem::worker::{ConfigError, Worker, WorkerConfig, WorkerError};
 use idem_points::points::Points;
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{amqp_url, clean_up, database_url, drop_schema, patient, unique_name};
+use crate::support::{amqp_url, clean_up, database_url, drop_schema, patient, unique_name};
 
 /// A worker built through the library with a consumer group its column
 /// cannot hold is refused before it connects to anything, rather than
@@ -117,7 +117,7 @@ mod check {
 /// its own beside the suite's, which keeps its compiled dependencies
 /// between runs.
 fn build_outside_crate() -> anyhow::Result<(tempfile_dir::Dir, PathBuf)> {
-    let root = crate::helpers::repository();
+    let root = crate::support::repository();
     let root = root.as_path();
     let dir = tempfile_dir::Dir::new()?;
     // The dependencies the README tells a service to take, idem's from here.

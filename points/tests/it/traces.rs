@@ -14,11 +14,11 @@ use idem::telemetry::trace::TRACEPARENT;
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points, PointsCredited};
 
-use crate::helpers::{
+use crate::outbox::credited_queue;
+use crate::support::{
     RunningWorker, TestEnv, WorkerProcess, amqp_url, database_url, idem_command, load,
     publish_messages, wait_for, worker_exits_at_once_with,
 };
-use crate::outbox::credited_queue;
 
 /// A sender's context, as a producer of its own would write it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

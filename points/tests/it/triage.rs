@@ -14,7 +14,7 @@ use idem::dlq::{self, Action, DlqConfig, Filter, Report};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::helpers::{
+use crate::support::{
     GROUP, Removed, RunningWorker, SlowConsumer, TestEnv, patient, publish_messages, rabbitmqctl,
     run_idem, unique_name, wait_for,
 };

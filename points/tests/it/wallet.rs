@@ -21,11 +21,11 @@ use idem::worker::{Mode, Worker};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::helpers::{
+use crate::proxy::Proxy;
+use crate::support::{
     RunningWorker, TestEnv, Vhost, amqp_address, example_binary, patient, peek, postgres_address,
     ready, wait_for,
 };
-use crate::proxy::Proxy;
 use example::{EVENTS, Wallet};
 
 /// Queues that take what the wallet says, by routing key.
@@ -138,7 +138,7 @@ async fn a_transfer_given_up_tells_the_payer_once_and_again_only_after_a_replay(
         env.amqp.clone(),
         env.database.clone(),
         env.topology.clone(),
-        crate::helpers::GROUP,
+        crate::support::GROUP,
         patient(Duration::from_secs(5)),
     );
     let status = idem::commands::status::run(&status, &Wallet, &CancellationToken::new()).await?;
@@ -233,14 +233,14 @@ async fn the_wallet_service_s_commands_agree_on_its_settings_without_a_flag() ->
 {
     let wallet = example_binary("wallet")?;
     let vhost = Vhost::add(".*", ".*", ".*")?;
-    let schema = crate::helpers::unique_name();
+    let schema = crate::support::unique_name();
     let command = |args: &[&str]| {
         let mut command = tokio::process::Command::new(&wallet);
         command
             .env_clear()
             .env("PATH", std::env::var("PATH").unwrap_or_default())
             .env(idem::vars::AMQP_URL, vhost.amqp_url())
-            .env(idem::vars::DATABASE_URL, crate::helpers::database_url())
+            .env(idem::vars::DATABASE_URL, crate::support::database_url())
             .env(idem::vars::SCHEMA, &schema)
             .args(args)
             .stdin(std::process::Stdio::null())
@@ -250,7 +250,7 @@ async fn the_wallet_service_s_commands_agree_on_its_settings_without_a_flag() ->
     let outcome = async {
         let migrated = command(&["migrate"]).output().await?;
         ensure!(migrated.status.success(), "{migrated:?}");
-        let worker = crate::helpers::WorkerProcess::start(command(&["worker"]))?;
+        let worker = crate::support::WorkerProcess::start(command(&["worker"]))?;
         // The worker declared its wait queues, which status shows by the
         // service's delays, and its outgoing exchange.
         let amqp = AmqpConfig::new(SecretUrl::new(vhost.amqp_url()));
@@ -282,9 +282,9 @@ async fn the_wallet_service_s_commands_agree_on_its_settings_without_a_flag() ->
 
         // Under another name, it says that one.
         let renamed =
-            std::env::temp_dir().join(format!("{}-wallet-service", crate::helpers::unique_name()));
+            std::env::temp_dir().join(format!("{}-wallet-service", crate::support::unique_name()));
         std::fs::copy(&wallet, &renamed)?;
-        let _removed = crate::helpers::Removed(renamed.clone());
+        let _removed = crate::support::Removed(renamed.clone());
         let wrong = tokio::process::Command::new(&renamed)
             .args(["worker", "--bogus"])
             .output()
@@ -301,6 +301,6 @@ async fn the_wallet_service_s_commands_agree_on_its_settings_without_a_flag() ->
         Ok(())
     }
     .await;
-    crate::helpers::clean_up(crate::helpers::drop_schema(schema));
+    crate::support::clean_up(crate::support::drop_schema(schema));
     outcome
 }
