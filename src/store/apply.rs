@@ -344,114 +344,158 @@ impl<H: Handler> Applier<H> {
         lanes.flushed(digests, from_epoch).await
     }
 
+    /// One try at the batch, by the path its handler and the batch allow:
+    /// a tally handler's claim and effect in one statement (for a single
+    /// event that the filters clear, straight into its epoch first), any
+    /// other handler's `apply` in a transaction after the claim. The
+    /// claimed events, and the epoch a flush must find their records from
+    /// when the statement committed without waiting for its own.
     async fn attempt<'e>(
         &self,
         events: &[&'e H::Event],
         clear_ledger: bool,
     ) -> Result<(Claimed<'e>, Option<i32>), Failure> {
-        let handler = &*self.handler;
-        // Stable: of two copies, the one delivered first wins.
-        let mut distinct: Vec<&'e H::Event> = events.to_vec();
-        distinct.sort_by(|a, b| handler.event_id(a).cmp(handler.event_id(b)));
-        distinct.dedup_by(|a, b| handler.event_id(a) == handler.event_id(b));
-        let ids: Vec<&'e str> = distinct.iter().map(|e| handler.event_id(e)).collect();
-        let group = self.store.consumer_group();
-        let digests = claim::digests(group, &ids);
-        let consulted = self.store.filters.consult(&digests);
-        let claim_params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
-            &ids,
-            &group,
-            &digests,
-            &consulted.filtered,
-            &consulted.closed_at,
-            &consulted.suspect_at,
-            &consulted.suspect_epoch,
-        ];
-        let database = |error| self.database_failure(&error);
-
-        if let Some((tally, statements)) = &self.tally {
-            // The statement commits on its own: nothing is committed before it.
-            self.before_commit(&ids).await?;
-            // One statement: unflushed on a lane, when a flush can find its
-            // records; else on a connection of its own.
-            let lanes = self
-                .store
-                .lanes()
-                .filter(|lanes| lanes.usable() && consulted.by_digest_from.is_some());
-            let from_epoch = lanes.and(consulted.by_digest_from);
-            let unflushed = lanes.is_some();
-            let (lane, pooled);
-            let client: &deadpool_postgres::ClientWrapper = match lanes {
-                Some(lanes) => {
-                    lane = lanes.lane().await?;
-                    &lane
-                }
-                None => {
-                    pooled = self.store.pool.get().await.map_err(StoreError::from)?;
-                    &pooled
-                }
-            };
-            let statement = statements[usize::from(clear_ledger)].text(unflushed);
-            let (keys, amounts) = tally.entries(&distinct);
-            // Only the rows of events that go in are written: the statement
-            // joins them to its claim.
-            let sent = Rows::of(group, outbox_of(handler, &ids, &distinct));
-            if let (Some(straight), Some(epoch), [id], [digest], [key], [amount]) = (
-                &self.straight,
-                consulted.straight,
-                ids.as_slice(),
-                digests.as_slice(),
-                keys.as_slice(),
-                amounts.as_slice(),
-            ) && !clear_ledger
-                && sent.is_empty()
-            {
-                let statement = client
-                    .prepare_cached(straight.text(unflushed))
+        let batch = Batch::of(&*self.handler, &self.store, events);
+        match &self.tally {
+            Some((tally, statements)) => {
+                self.claim_with_tally(&batch, tally, statements, clear_ledger)
                     .await
-                    .map_err(database)?;
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-                    [id, &group, digest, &epoch, key, amount];
-                match client.query(&statement, &params).await {
-                    // In: applied. Not in: a duplicate, or a digest clash,
-                    // which the claim below tells apart.
-                    Ok(rows) if !rows.is_empty() => {
-                        self.store.filters.went_straight();
-                        return Ok((claimed(&ids, &rows).map_err(database)?, from_epoch));
-                    }
-                    Ok(_) => {}
-                    // The epoch closed (or was dropped) since the filters
-                    // were synced: its partition refused the record.
-                    Err(error) if refused_by_closed_epoch(&error) => {
-                        self.store.filters.not_straight();
-                    }
-                    Err(error) => return Err(database(error)),
-                }
             }
-            let mut params = claim_params.to_vec();
-            params.push(&keys);
-            params.push(&amounts);
-            let statement = match &self.tally_and_send {
-                Some(sending) if !sent.is_empty() => {
-                    params.extend(sent.params());
-                    sending[usize::from(clear_ledger)].text(unflushed)
-                }
-                _ => statement,
-            };
-            let statement = client.prepare_cached(statement).await.map_err(database)?;
-            let rows = client.query(&statement, &params).await.map_err(database)?;
-            return Ok((claimed(&ids, &rows).map_err(database)?, from_epoch));
+            None => self
+                .claim_and_apply(&batch)
+                .await
+                .map(|claimed| (claimed, None)),
         }
+    }
 
+    /// The claim, the tally and the outbox rows in one statement, which
+    /// commits on its own: unflushed on a lane when a flush can find its
+    /// records, else on a connection of its own.
+    async fn claim_with_tally<'e>(
+        &self,
+        batch: &Batch<'_, 'e, H::Event>,
+        tally: &Tally<H::Event>,
+        statements: &[Claim; 2],
+        clear_ledger: bool,
+    ) -> Result<(Claimed<'e>, Option<i32>), Failure> {
+        let database = |error| self.database_failure(&error);
+        // Nothing is committed before the statement.
+        self.before_commit(&batch.ids).await?;
+        let lanes = self
+            .store
+            .lanes()
+            .filter(|lanes| lanes.usable() && batch.consulted.by_digest_from.is_some());
+        let from_epoch = lanes.and(batch.consulted.by_digest_from);
+        let unflushed = lanes.is_some();
+        let (lane, pooled);
+        let client: &deadpool_postgres::ClientWrapper = match lanes {
+            Some(lanes) => {
+                lane = lanes.lane().await?;
+                &lane
+            }
+            None => {
+                pooled = self.store.pool.get().await.map_err(StoreError::from)?;
+                &pooled
+            }
+        };
+        let (keys, amounts) = tally.entries(&batch.distinct);
+        // Only the rows of events that go in are written: the statement
+        // joins them to its claim.
+        let sent = Rows::of(
+            batch.group,
+            outbox_of(&*self.handler, &batch.ids, &batch.distinct),
+        );
+        if !clear_ledger
+            && sent.is_empty()
+            && let Some(claimed) = self
+                .claim_straight(client, batch, &keys, &amounts, unflushed)
+                .await?
+        {
+            return Ok((claimed, from_epoch));
+        }
+        let mut params = batch.claim_params().to_vec();
+        params.push(&keys);
+        params.push(&amounts);
+        let statement = match &self.tally_and_send {
+            Some(sending) if !sent.is_empty() => {
+                params.extend(sent.params());
+                sending[usize::from(clear_ledger)].text(unflushed)
+            }
+            _ => statements[usize::from(clear_ledger)].text(unflushed),
+        };
+        let statement = client.prepare_cached(statement).await.map_err(database)?;
+        let rows = client.query(&statement, &params).await.map_err(database)?;
+        Ok((claimed(&batch.ids, &rows).map_err(database)?, from_epoch))
+    }
+
+    /// One event the filters clear, inserted straight into the epoch they
+    /// believe current, its amount added in the same statement: the
+    /// claimed event, or `None` when the claim must decide (a duplicate or
+    /// a digest clash, an epoch closed since the filters were synced, a
+    /// batch of more than one event, no straight statement).
+    async fn claim_straight<'e>(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+        batch: &Batch<'_, 'e, H::Event>,
+        keys: &[&str],
+        amounts: &[i64],
+        unflushed: bool,
+    ) -> Result<Option<Claimed<'e>>, Failure> {
+        let database = |error| self.database_failure(&error);
+        let (Some(straight), Some(epoch), [id], [digest], [key], [amount]) = (
+            &self.straight,
+            batch.consulted.straight,
+            batch.ids.as_slice(),
+            batch.digests.as_slice(),
+            keys,
+            amounts,
+        ) else {
+            return Ok(None);
+        };
+        let statement = client
+            .prepare_cached(straight.text(unflushed))
+            .await
+            .map_err(database)?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+            [id, &batch.group, digest, &epoch, key, amount];
+        match client.query(&statement, &params).await {
+            // In: applied.
+            Ok(rows) if !rows.is_empty() => {
+                self.store.filters.went_straight();
+                Ok(Some(claimed(&batch.ids, &rows).map_err(database)?))
+            }
+            // Not in: a duplicate, or a digest clash, which the claim
+            // tells apart.
+            Ok(_) => Ok(None),
+            // The epoch closed (or was dropped) since the filters were
+            // synced: its partition refused the record.
+            Err(error) if refused_by_closed_epoch(&error) => {
+                self.store.filters.not_straight();
+                Ok(None)
+            }
+            Err(error) => Err(database(error)),
+        }
+    }
+
+    /// The general path: the claim, then the handler's `apply` for the
+    /// events that went in and their outbox rows, the ledger cleared, and
+    /// the commit, in one transaction.
+    async fn claim_and_apply<'e>(
+        &self,
+        batch: &Batch<'_, 'e, H::Event>,
+    ) -> Result<Claimed<'e>, Failure> {
+        let handler = &*self.handler;
+        let database = |error| self.database_failure(&error);
         let mut client = self.store.pool.get().await.map_err(StoreError::from)?;
         let tx = client.transaction().await.map_err(database)?;
         let statement = tx.prepare_cached(&self.claim).await.map_err(database)?;
         let rows = tx
-            .query(&statement, &claim_params)
+            .query(&statement, &batch.claim_params())
             .await
             .map_err(database)?;
-        let claimed = claimed(&ids, &rows).map_err(database)?;
-        let fresh: Vec<&H::Event> = distinct
+        let claimed = claimed(&batch.ids, &rows).map_err(database)?;
+        let fresh: Vec<&H::Event> = batch
+            .distinct
             .iter()
             .copied()
             .filter(|event| claimed.is_in(handler.event_id(event)))
@@ -463,7 +507,7 @@ impl<H: Handler> Applier<H> {
                 .apply(&tx, &fresh, &mut outbox)
                 .await
                 .map_err(|error| self.handler_failure(error))?;
-            let sent = Rows::of(group, outbox);
+            let sent = Rows::of(batch.group, outbox);
             if let Some(send) = self.send.as_ref().filter(|_| !sent.is_empty()) {
                 let statement = tx.prepare_cached(send).await.map_err(database)?;
                 tx.execute(&statement, &sent.params())
@@ -474,10 +518,12 @@ impl<H: Handler> Applier<H> {
         // Also proves the transaction alive: a handler that swallowed an
         // error left it aborted, and COMMIT would roll back without a word.
         // (So the general path clears the ledger whatever the deliveries.)
-        ledger::reset(&tx, &ids, group).await.map_err(database)?;
-        self.before_commit(&ids).await?;
+        ledger::reset(&tx, &batch.ids, batch.group)
+            .await
+            .map_err(database)?;
+        self.before_commit(&batch.ids).await?;
         tx.commit().await.map_err(database)?;
-        Ok((claimed, None))
+        Ok(claimed)
     }
 
     /// A broken connection (no SQLSTATE) is the infrastructure's whatever
@@ -497,6 +543,51 @@ impl<H: Handler> Applier<H> {
             HandlerError::Permanent(error) => Failure::of(FailureKind::Permanent, &error),
             HandlerError::Infrastructure(error) => Failure::of(FailureKind::Infrastructure, &error),
         }
+    }
+}
+
+/// A batch as its claim sees it: its distinct events in id order (of two
+/// copies, the one delivered first), their ids and digests, the consumer
+/// group, and what the closed epochs' filters said of them.
+struct Batch<'s, 'e, E> {
+    distinct: Vec<&'e E>,
+    ids: Vec<&'e str>,
+    group: &'s str,
+    digests: Vec<uuid::Uuid>,
+    consulted: super::filter::Consulted,
+}
+
+impl<'s, 'e, E> Batch<'s, 'e, E> {
+    fn of<H: Handler<Event = E>>(handler: &H, store: &'s Store, events: &[&'e E]) -> Self {
+        // Stable: of two copies, the one delivered first wins.
+        let mut distinct: Vec<&'e E> = events.to_vec();
+        distinct.sort_by(|a, b| handler.event_id(a).cmp(handler.event_id(b)));
+        distinct.dedup_by(|a, b| handler.event_id(a) == handler.event_id(b));
+        let ids: Vec<&'e str> = distinct.iter().map(|e| handler.event_id(e)).collect();
+        let group = store.consumer_group();
+        let digests = claim::digests(group, &ids);
+        let consulted = store.filters.consult(&digests);
+        Self {
+            distinct,
+            ids,
+            group,
+            digests,
+            consulted,
+        }
+    }
+
+    /// The claim's parameters: `$1` the ids, `$2` the group, `$3` their
+    /// digests, `$4`…`$7` what the filters said.
+    fn claim_params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
+        [
+            &self.ids,
+            &self.group,
+            &self.digests,
+            &self.consulted.filtered,
+            &self.consulted.closed_at,
+            &self.consulted.suspect_at,
+            &self.consulted.suspect_epoch,
+        ]
     }
 }
 
