@@ -1,0 +1,228 @@
+//! The report as text: a table of the medians of the rounds, and the ratios.
+
+use super::*;
+
+impl fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "idem bench: {}", self.settings)?;
+        let rates = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
+                .map(|runs| runs.iter().map(|m| m.rate).collect())
+                .unwrap_or_default()
+        };
+        // Ratios are taken within each round, then their median: the
+        // machine's speed drifts between rounds, much less within one.
+        let ratio =
+            |over: &[f64], under: &[f64]| median(over.iter().zip(under).map(|(a, b)| a / b));
+        let ceiling = rates(CEILING);
+        writeln!(
+            f,
+            "{:<42} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
+            "mode (medians of the rounds)",
+            "msgs/s",
+            "× ceiling",
+            "worker CPU",
+            "worker peak",
+            "PostgreSQL",
+            "RabbitMQ",
+            "all CPU",
+            "cores",
+            "WAL",
+            "WAL full"
+        )?;
+        writeln!(
+            f,
+            "{:<42} {:>10} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
+            "",
+            "",
+            "",
+            "µs/msg",
+            "RSS MiB",
+            "CPU µs/msg",
+            "CPU µs/msg",
+            "µs/msg",
+            "busy",
+            "B/msg",
+            "pages/msg"
+        )?;
+        for (mode, runs) in &self.rounds {
+            let mode = mode.as_str();
+            let median_of =
+                |pick: fn(&Measurement) -> Option<f64>| median(runs.iter().filter_map(pick));
+            let rate = median_of(|m| Some(m.rate)).unwrap_or(0.0);
+            let of_ceiling = ratio(&rates(mode), &ceiling);
+            let show = |value: Option<f64>, precision: usize| {
+                value.map_or("-".to_owned(), |v| format!("{v:.precision$}"))
+            };
+            writeln!(
+                f,
+                "{:<42} {:>10.0} {:>10} {:>11} {:>13} {:>13} {:>13} {:>11} {:>6} {:>10} {:>10}",
+                label(mode),
+                rate,
+                show(of_ceiling, 2),
+                show(median_of(|m| m.cpu_us_per_message), 1),
+                show(median_of(|m| m.peak_rss_mib), 1),
+                show(median_of(|m| m.postgres_us_per_message), 1),
+                show(median_of(|m| m.rabbitmq_us_per_message), 1),
+                show(median_of(Measurement::all_cpu_us_per_message), 1),
+                show(median_of(Measurement::cores_busy), 2),
+                show(median_of(|m| m.wal_bytes_per_message), 0),
+                show(median_of(|m| m.wal_fpi_per_message), 3),
+            )?;
+        }
+        if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
+            writeln!(f, "batch / per-message: {times:.1} ×")?;
+        }
+        if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
+            writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
+        }
+        let rabbitmq = |mode: &str| {
+            self.runs(mode)
+                .and_then(|runs| median(runs.iter().filter_map(|m| m.rabbitmq_us_per_message)))
+        };
+        if let (Some(on), Some(off), Some(alone)) = (
+            rabbitmq(BATCH_OUTBOX),
+            rabbitmq(BATCH),
+            rabbitmq(PUBLISHED_ALONE),
+        ) && self.credits_per_message > 0.0
+        {
+            let relayed = (on - off) / self.credits_per_message;
+            writeln!(
+                f,
+                "RabbitMQ CPU per credit: relayed {relayed:.1} µs (outbox on less off), \
+                 published alone {alone:.1} µs ({:.2} ×)",
+                relayed / alone
+            )?;
+        }
+        let all_cpu = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
+                .map(|runs| {
+                    runs.iter()
+                        .filter_map(Measurement::all_cpu_us_per_message)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        for (idem, contender) in [(PER_MESSAGE, TEXTBOOK), (BATCH, BATCHED)] {
+            if let Some(throughput) = ratio(&rates(idem), &rates(contender)) {
+                let against = label(contender)
+                    .split_once(", ")
+                    .map_or(contender, |(_, c)| c);
+                write!(
+                    f,
+                    "{} / {against}: throughput {throughput:.2} ×",
+                    label(idem)
+                )?;
+                if let Some(cpu) = ratio(&all_cpu(idem), &all_cpu(contender)) {
+                    write!(f, ", all-process CPU per message {cpu:.2} ×")?;
+                }
+                writeln!(f)?;
+            }
+        }
+        for (mode, _) in &self.rounds {
+            if let Some(times) = mode
+                .strip_suffix(REMOVING)
+                .and_then(|without| ratio(&rates(mode), &rates(without)))
+            {
+                writeln!(f, "{} / without: {times:.2} ×", label(mode))?;
+                continue;
+            }
+            if [TEXTBOOK, BATCHED].contains(&mode.as_str()) {
+                continue;
+            }
+            for plain in [PER_MESSAGE, PER_MESSAGE_BASELINE, BATCH, BATCH_BASELINE] {
+                if let Some(times) = mode
+                    .strip_prefix(plain)
+                    // A prefilled run of that build, not another build.
+                    .filter(|rest| {
+                        rest.strip_prefix(", ")
+                            .and_then(|rest| rest.strip_suffix(" records before"))
+                            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                    })
+                    .and_then(|_| ratio(&rates(mode), &rates(plain)))
+                {
+                    writeln!(f, "{} / on an empty table: {times:.2} ×", label(mode))?;
+                }
+            }
+        }
+        let cpu = |mode: &str| -> Vec<f64> {
+            self.runs(mode)
+                .map(|runs| runs.iter().filter_map(|m| m.cpu_us_per_message).collect())
+                .unwrap_or_default()
+        };
+        for (build, baseline) in [
+            (PER_MESSAGE, PER_MESSAGE_BASELINE),
+            (BATCH, BATCH_BASELINE),
+            (BATCH_OUTBOX, BATCH_OUTBOX_BASELINE),
+        ] {
+            if let (Some(throughput), Some(worker_cpu)) = (
+                ratio(&rates(build), &rates(baseline)),
+                ratio(&cpu(build), &cpu(baseline)),
+            ) {
+                writeln!(
+                    f,
+                    "{} / baseline build: throughput {throughput:.3} ×, worker CPU per message {worker_cpu:.3} ×",
+                    label(build)
+                )?;
+            }
+        }
+        let tps = |runs: &[Pgbench]| runs.iter().map(|run| run.tps).collect::<Vec<_>>();
+        let postgres = |runs: &[Pgbench]| median(runs.iter().filter_map(|run| run.postgres_us));
+        for (name, runs) in [
+            (
+                "per-message transaction (the claim straight into the current epoch and the tally in one statement)",
+                &self.pgbench,
+            ),
+            (
+                "the same as the general path's five statements",
+                &self.pgbench_general,
+            ),
+            (
+                "the textbook transaction (BEGIN, record, upsert, COMMIT)",
+                &self.pgbench_textbook,
+            ),
+        ] {
+            if let Some(rate) = median(tps(runs).into_iter()) {
+                let cpu = postgres(runs).map_or("-".to_owned(), |us| format!("{us:.0}"));
+                writeln!(
+                    f,
+                    "pgbench, 16 clients, {name}: {rate:.0} tps, PostgreSQL CPU {cpu} µs/tx"
+                )?;
+            }
+        }
+        if let Some(times) = ratio(&rates(PER_MESSAGE), &tps(&self.pgbench)) {
+            writeln!(
+                f,
+                "per-message mode / pgbench of its transaction: {times:.2} ×"
+            )?;
+        }
+        if let Some(times) = ratio(&tps(&self.pgbench), &tps(&self.pgbench_textbook)) {
+            writeln!(
+                f,
+                "pgbench, idem's transaction / the textbook's: {times:.2} × the tps"
+            )?;
+        }
+        let cpu_ratio = median(
+            self.pgbench
+                .iter()
+                .zip(&self.pgbench_textbook)
+                .filter_map(|(idem, textbook)| Some(idem.postgres_us? / textbook.postgres_us?)),
+        );
+        if let Some(times) = cpu_ratio {
+            writeln!(
+                f,
+                "pgbench, idem's transaction / the textbook's: {times:.2} × the PostgreSQL CPU"
+            )?;
+        }
+        let rounds = self
+            .rounds
+            .iter()
+            .map(|(_, runs)| runs.len())
+            .max()
+            .unwrap_or(0);
+        write!(
+            f,
+            "rounds: {rounds}; every run checked: exact totals, one record per event, nothing dead-lettered"
+        )
+    }
+}
