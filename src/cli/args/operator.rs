@@ -1,0 +1,375 @@
+//! The flags of the operator's commands: `dlq`, `requeue`, `status`,
+//! `prune` and `reconcile`.
+
+use super::*;
+
+/// `reconcile`.
+#[derive(Debug, Args)]
+pub(crate) struct ReconcileArgs {
+    /// The upstream's events: JSON lines (one body per line) or, for a name
+    /// ending in .csv, CSV with a header whose columns are the body's fields.
+    #[arg(long)]
+    pub(crate) export: PathBuf,
+    /// Also write a report here: a JSON line per event (its status, the last
+    /// error) and per line that is none (why), then one per key whose
+    /// points differ.
+    #[arg(long)]
+    pub(crate) report: Option<PathBuf>,
+    /// Publish the missing events again, with confirms (safe: the worker
+    /// applies each once).
+    #[arg(long)]
+    pub(crate) republish_missing: bool,
+    /// Events compared per query.
+    #[arg(long, default_value_t = ReconcileConfig::DEFAULT_CHUNK, value_parser = clap::value_parser!(u32).range(1..=100_000).map(|n| n as usize))]
+    pub(crate) chunk: usize,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+    #[command(flatten)]
+    pub(crate) route: RouteArgs,
+}
+
+impl ReconcileArgs {
+    /// Settings of `reconcile`.
+    pub(crate) fn config(&self) -> Result<ReconcileConfig, SettingError> {
+        Ok(ReconcileConfig {
+            dlq: self.target.config(Filter::default(), None)?,
+            // Where the missing events are published again, and where the
+            // dead letters are; no queue of the group is looked at.
+            topology: Topology {
+                dead_letter_queue: self.target.dead_letters.dead_letter_queue.clone(),
+                ..Topology::for_queue("").bound_to(&self.route.exchange, &self.route.routing_key)
+            },
+            export: self.export.clone(),
+            report: self.report.clone(),
+            republish_missing: self.republish_missing,
+            chunk: self.chunk,
+        })
+    }
+}
+
+/// How the consume records are kept: the safety rule of a retention, and
+/// the epochs.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Retention")]
+pub(crate) struct RetentionArgs {
+    /// Refuse a retention window shorter than this: a message that comes
+    /// back (a retry, the broker's redelivery, an operator's replay, a
+    /// recovery) after its event's record is removed applies again.
+    #[arg(long, env = vars::MIN_RETENTION, default_value_t = Wait(PruneSettings::DEFAULT_MIN_RETENTION))]
+    pub(crate) min_retention: Wait,
+    /// How long an epoch of the consume records takes claims before the
+    /// next is opened: longer means fewer epochs for a claim to look into,
+    /// shorter a smaller one to insert into, and a finer removal
+    /// [default: half the window].
+    #[arg(long, env = vars::EPOCH_LENGTH)]
+    pub(crate) epoch_length: Option<Wait>,
+}
+
+/// `prune`.
+#[derive(Debug, Args)]
+pub(crate) struct PruneArgs {
+    /// Remove what is older than this (e.g. 7d): a closed epoch of consume
+    /// records once even its newest record is older, and the ledger and
+    /// sent outbox rows last written before it.
+    #[arg(long)]
+    pub(crate) older_than: Wait,
+    /// Change nothing: say what would be removed, and what is kept and why.
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    #[command(flatten)]
+    pub(crate) retention: RetentionArgs,
+    /// The group's retry delays (as the worker's --retry-delays): the
+    /// window must be longer than a message takes through them all.
+    #[arg(
+        long,
+        env = vars::RETRY_DELAYS,
+        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
+    )]
+    pub(crate) retry_delays: Delays,
+    /// The group's work queue: while messages wait there and no worker
+    /// consumes it, no epoch is dropped.
+    #[arg(long, env = vars::QUEUE, help_heading = "Topology")]
+    pub(crate) queue: String,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+}
+
+impl PruneArgs {
+    /// Settings of `prune`.
+    pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
+        Ok(PruneSettings {
+            dry_run: self.dry_run,
+            ..self.retention.settings(
+                self.target.config(Filter::default(), None)?,
+                self.queue.clone(),
+                self.older_than.0,
+                &self.retry_delays,
+            )
+        })
+    }
+}
+
+impl RetentionArgs {
+    /// A prune's settings over `target` and `work_queue`, for a window of
+    /// `older_than`.
+    pub(super) fn settings(
+        &self,
+        target: DlqConfig,
+        work_queue: String,
+        older_than: Duration,
+        retry_delays: &Delays,
+    ) -> PruneSettings {
+        PruneSettings {
+            target,
+            work_queue,
+            older_than,
+            min_retention: self.min_retention.0,
+            retry_delays: retry_delays.0.clone(),
+            epoch_length: PruneSettings::epoch_length(
+                older_than,
+                self.epoch_length.as_ref().map(|length| length.0),
+            ),
+            lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
+            dry_run: false,
+        }
+    }
+}
+
+/// The dead-letter queue of a consumer group, and its failure ledger.
+#[derive(Debug, Args)]
+pub(crate) struct DlqTargetArgs {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) dead_letters: DeadLetterQueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+/// `requeue`.
+#[derive(Debug, Args)]
+pub(crate) struct RequeueArgs {
+    /// Replay at most this many messages.
+    #[arg(long)]
+    pub(crate) limit: Option<usize>,
+    /// List what would be replayed (event, reason, count, time); move nothing.
+    #[arg(long)]
+    pub(crate) dry_run: bool,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+}
+
+/// `dlq`.
+#[derive(Debug, Args)]
+pub(crate) struct DlqArgs {
+    #[command(subcommand)]
+    pub(crate) action: DlqAction,
+}
+
+/// What to do with the dead letters that match.
+#[derive(Debug, Subcommand)]
+pub(crate) enum DlqAction {
+    /// Count them per reason and per last error, oldest and newest; move nothing.
+    Summary(FilterArgs),
+    /// List them, each with what a replay would do and the ledger's count
+    /// and last error; move nothing.
+    List(FilterArgs),
+    /// Send them back to the queue each died in, with a fresh budget;
+    /// bodies the handler cannot decode stay, unless --include-invalid.
+    Replay(ReplayArgs),
+    /// Remove them, each written first to a JSON-lines file that is synced
+    /// before the message is acked.
+    Discard(DiscardArgs),
+    /// Set the dead-letter index to what the queue holds (browsing every
+    /// letter and giving it back): for letters that came by other ways than
+    /// idem's worker, or after an upgrade; summary, status and prune say
+    /// when the queue holds letters the index does not count, and name this.
+    Sync(DlqTargetArgs),
+}
+
+/// Which dead letters (every filter given must hold), and where they are.
+#[derive(Debug, Args)]
+pub(crate) struct FilterArgs {
+    /// The reason of the latest death: rejected, delivery_limit, expired…
+    #[arg(long)]
+    pub(crate) reason: Option<String>,
+    /// This event only.
+    #[arg(long)]
+    pub(crate) event_id: Option<String>,
+    /// Part of the failure ledger's last error (or of why the body is invalid).
+    #[arg(long)]
+    pub(crate) error: Option<String>,
+    /// Died longer ago than this (e.g. 1h).
+    #[arg(long)]
+    pub(crate) older_than: Option<Wait>,
+    /// Died within this (e.g. 10m).
+    #[arg(long)]
+    pub(crate) newer_than: Option<Wait>,
+    /// Only bodies the handler cannot decode, which can never apply.
+    #[arg(long)]
+    pub(crate) invalid: bool,
+    /// Act on at most this many of those that match.
+    #[arg(long)]
+    pub(crate) limit: Option<usize>,
+    /// Look at every letter in the queue; by default a pass stops once it
+    /// found as many matches as the dead-letter index counts, when the
+    /// index counts every letter in the queue.
+    #[arg(long)]
+    pub(crate) every_letter: bool,
+    #[command(flatten)]
+    pub(crate) target: DlqTargetArgs,
+}
+
+/// `dlq replay`.
+#[derive(Debug, Args)]
+pub(crate) struct ReplayArgs {
+    /// At most this many replays per second.
+    #[arg(long, value_parser = parse_rate)]
+    pub(crate) rate: Option<f64>,
+    /// Replay bodies the handler cannot decode too (they die again at once).
+    #[arg(long)]
+    pub(crate) include_invalid: bool,
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
+}
+
+/// `dlq discard`.
+#[derive(Debug, Args)]
+pub(crate) struct DiscardArgs {
+    /// The JSON-lines file the discarded messages are appended to.
+    #[arg(long)]
+    pub(crate) to: PathBuf,
+    #[command(flatten)]
+    pub(crate) filter: FilterArgs,
+}
+
+/// `status`.
+#[derive(Debug, Args)]
+pub(crate) struct StatusArgs {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) queues: QueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+impl StatusArgs {
+    /// Settings of `status`.
+    pub(crate) fn config(&self) -> Result<StatusConfig, SettingError> {
+        let queues = &self.queues;
+        Ok(StatusConfig {
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            topology: Topology {
+                retry_delays: queues.retry_delays.0.clone(),
+                dead_letter_exchange: queues.dead_letter_exchange.clone(),
+                dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),
+                // No exchange of the group is looked at.
+                ..Topology::for_queue(&queues.queue)
+            },
+            consumer_group: self.group.consumer_group()?,
+            patience: self.wait.startup_timeout.0,
+        })
+    }
+}
+
+impl DlqTargetArgs {
+    /// The dead-letter queue, with `filter` and `limit`.
+    pub(super) fn config(
+        &self,
+        filter: Filter,
+        limit: Option<usize>,
+    ) -> Result<DlqConfig, SettingError> {
+        Ok(DlqConfig {
+            amqp: self.amqp.config(),
+            database: self.database.config(2),
+            consumer_group: self.group.consumer_group()?,
+            dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
+            filter,
+            limit,
+            every_letter: false,
+            patience: self.wait.startup_timeout.0,
+        })
+    }
+}
+
+impl RequeueArgs {
+    /// Settings of `requeue`: every dead letter, invalid ones too.
+    pub(crate) fn config(&self) -> Result<(DlqConfig, Action, View), SettingError> {
+        let action = if self.dry_run {
+            Action::List
+        } else {
+            Action::Replay {
+                rate: None,
+                include_invalid: true,
+            }
+        };
+        let config = self.target.config(Filter::default(), self.limit)?;
+        Ok((config, action, View::Listing))
+    }
+}
+
+impl DlqArgs {
+    /// Settings of `dlq`.
+    pub(crate) fn config(&self) -> Result<(DlqConfig, Action, View), SettingError> {
+        let (filter, action, view) = match &self.action {
+            DlqAction::Sync(target) => {
+                return Ok((
+                    target.config(Filter::default(), None)?,
+                    Action::Sync,
+                    View::Listing,
+                ));
+            }
+            DlqAction::Summary(filter) => (filter, Action::List, View::Summary),
+            DlqAction::List(filter) => (filter, Action::List, View::Listing),
+            DlqAction::Replay(replay) => (
+                &replay.filter,
+                Action::Replay {
+                    rate: replay.rate,
+                    include_invalid: replay.include_invalid,
+                },
+                View::Listing,
+            ),
+            DlqAction::Discard(discard) => (
+                &discard.filter,
+                Action::Discard {
+                    file: discard.to.clone(),
+                },
+                View::Listing,
+            ),
+        };
+        let config = DlqConfig {
+            every_letter: filter.every_letter,
+            ..filter.target.config(
+                Filter {
+                    reason: filter.reason.clone(),
+                    event_id: filter.event_id.clone(),
+                    error: filter.error.clone(),
+                    older_than: filter.older_than.map(|wait| wait.0),
+                    newer_than: filter.newer_than.map(|wait| wait.0),
+                    invalid: filter.invalid,
+                },
+                filter.limit,
+            )?
+        };
+        Ok((config, action, view))
+    }
+}
+
+pub(super) fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(rate) if rate > 0.0 && rate.is_finite() => Ok(rate),
+        _ => Err(format!(
+            "'{text}' is not a rate above 0 (messages per second)"
+        )),
+    }
+}
