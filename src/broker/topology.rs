@@ -1,5 +1,9 @@
 //! The exchanges, queues and bindings idem works with, declared the same way
 //! by the worker and described by `rabbit-definitions.json`.
+//!
+//! Over 700 lines: one topology's names, its declaration and its checks
+//! against what the broker holds (the refusal of a queue declared otherwise)
+//! belong together, and its tests are a hundred of them.
 
 use std::time::Duration;
 

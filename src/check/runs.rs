@@ -10,6 +10,9 @@
 //! client that died (PostgreSQL rolls back what it had not committed,
 //! RabbitMQ takes back what it had not acked), and drops its tasks. The
 //! worker's [`Probe`] says when.
+//!
+//! Over 700 lines: the runs share their rig (the scratch schemas, the
+//! proxies, the probe) and read best beside each other.
 
 use std::collections::HashSet;
 use std::future::Future;

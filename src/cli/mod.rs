@@ -32,6 +32,10 @@
 //! [`run`] is the shortest form: the queue and the consumer group are the
 //! handler's [`NAME`](Handler::NAME), and `--exchange` and `--routing-key`
 //! must be given.
+//!
+//! Over 700 lines: the `Service` builder and the dispatch of every command it
+//! gives a binary, each arm a few lines into the library; the flags are in
+//! `args`.
 
 mod args;
 

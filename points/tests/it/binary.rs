@@ -1,4 +1,6 @@
 //! The `idem` binary as users run it: exit codes, one-line errors, signals.
+//!
+//! Over 700 lines: one scenario per test, the binary's in one place.
 
 use std::process::Stdio;
 use std::time::Duration;

@@ -3,6 +3,9 @@
 //! that nets a batch per account, one that writes through a connection of
 //! its own, one that stamps its rows with the clock, one that computes
 //! balances from a cache in memory; and the same transfers done right.
+//!
+//! Over 700 lines: one scenario per test, check's and its wrong handlers in
+//! one place.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Mutex;

@@ -2,6 +2,9 @@
 //! that goes away. After each, every order holds exactly what was published,
 //! each distinct event has one consume record, and the dead-letter queue
 //! holds exactly what it should.
+//!
+//! Over 700 lines: one scenario per test, every fault of the worker's in one
+//! place.
 
 use std::time::Duration;
 

@@ -1,5 +1,8 @@
 //! The outbox: what an effect sends on leaves if and only if the effect
 //! committed, once per event, under a key that does not change.
+//!
+//! Over 700 lines: one scenario per test, the outbox's and the relay's in one
+//! place.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
