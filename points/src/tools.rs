@@ -193,7 +193,7 @@ pub(crate) struct ContenderArgs {
     /// The consumer's prefetch.
     #[arg(long, default_value_t = 500)]
     pub(crate) prefetch: u16,
-    /// Textbook: deliveries handled at once.
+    /// Textbook: deliveries handled at once; batched: batches in flight.
     #[arg(long, default_value_t = 16)]
     pub(crate) in_flight: usize,
     /// Batched: most deliveries per transaction.

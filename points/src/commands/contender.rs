@@ -13,9 +13,10 @@
 //! - [`Contender::Batched`]: up to `batch_size` deliveries or `batch_wait`
 //!   after the first, one transaction (the records in one statement, the
 //!   points of those that went in, summed per order, in another), one ack
-//!   of them all (`multiple`); one batch at a time.
+//!   of them all (`multiple`); up to `in_flight` batches in flight on a pool,
+//!   acked in the order they were filled, as idem's batch mode keeps them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -66,7 +67,8 @@ pub struct ContenderConfig {
     pub queue: String,
     /// The consumer's prefetch.
     pub prefetch: u16,
-    /// Textbook: deliveries handled at once, each on a connection of its own.
+    /// Textbook: deliveries handled at once; batched: batches. Each on a
+    /// connection of its own.
     pub in_flight: usize,
     /// Batched: most deliveries per transaction.
     pub batch_size: usize,
@@ -92,8 +94,11 @@ const CREDIT: &str = "\
     INSERT INTO user_points (order_id, points) VALUES ($1, $2) \
     ON CONFLICT (order_id) DO UPDATE SET points = user_points.points + EXCLUDED.points";
 
+/// In id order: batches in flight that share an event (a copy) lock its
+/// key in the same order.
 const RECORD_BATCH: &str = "\
-    INSERT INTO bench_contender_record (event_id) SELECT unnest($1::varchar[]) \
+    INSERT INTO bench_contender_record (event_id) \
+    SELECT id FROM unnest($1::varchar[]) AS id ORDER BY id \
     ON CONFLICT DO NOTHING RETURNING event_id";
 
 const CREDIT_BATCH: &str = "\
@@ -205,7 +210,11 @@ async fn handle_one(pool: &Pool, delivery: &Delivery) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A batch at a time: filled, applied in one transaction, acked at once.
+/// Batches filled one after the other, each applied in a transaction of
+/// its own on the pool while the next fills, at most `in_flight` at once;
+/// each acked (or given back) with `multiple` once it and every batch
+/// before it are settled, so that an ack never covers a batch still in
+/// flight.
 async fn batched(
     mut consumer: lapin::Consumer,
     channel: &lapin::Channel,
@@ -213,14 +222,24 @@ async fn batched(
     config: &ContenderConfig,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<()> {
-    let mut client = pool.get().await?;
+    let in_flight = config.in_flight.max(1);
+    let mut pending: VecDeque<InFlight> = VecDeque::new();
     loop {
+        while pending
+            .front()
+            .is_some_and(|batch| batch.applied.is_finished())
+        {
+            settle_head(channel, &mut pending).await?;
+        }
+        if pending.len() >= in_flight {
+            settle_head(channel, &mut pending).await?;
+        }
         let first = tokio::select! {
             next = consumer.next() => match next {
                 Some(delivery) => delivery?,
-                None => return Ok(()),
+                None => break,
             },
-            () = shutdown.cancelled() => return Ok(()),
+            () = shutdown.cancelled() => break,
         };
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + config.batch_wait;
@@ -241,31 +260,53 @@ async fn batched(
                 }
             }
         }
-        let last = batch.last().map(|delivery| delivery.delivery_tag);
-        match apply_batch(&mut client, &events).await {
-            Ok(()) => {
-                if let Some(tag) = last {
-                    channel
-                        .basic_ack(tag, BasicAckOptions { multiple: true })
-                        .await?;
-                }
-            }
-            Err(_) => {
-                if let Some(tag) = last {
-                    channel
-                        .basic_nack(
-                            tag,
-                            BasicNackOptions {
-                                requeue: true,
-                                multiple: true,
-                            },
-                        )
-                        .await?;
-                }
-                client = pool.get().await?;
-            }
-        }
+        let Some(last) = batch.last().map(|delivery| delivery.delivery_tag) else {
+            continue;
+        };
+        let pool = pool.clone();
+        let applied = tokio::spawn(async move {
+            let mut client = pool.get().await?;
+            apply_batch(&mut client, &events).await
+        });
+        pending.push_back(InFlight { last, applied });
     }
+    while !pending.is_empty() {
+        settle_head(channel, &mut pending).await?;
+    }
+    Ok(())
+}
+
+/// A batch on its way: its last delivery, and its transaction.
+struct InFlight {
+    last: lapin::types::DeliveryTag,
+    applied: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+/// Waits for the oldest batch in flight, then acks it with `multiple`, or
+/// gives it back if its transaction failed.
+async fn settle_head(
+    channel: &lapin::Channel,
+    pending: &mut VecDeque<InFlight>,
+) -> anyhow::Result<()> {
+    let Some(InFlight { last, applied }) = pending.pop_front() else {
+        return Ok(());
+    };
+    if matches!(applied.await, Ok(Ok(()))) {
+        channel
+            .basic_ack(last, BasicAckOptions { multiple: true })
+            .await?;
+    } else {
+        channel
+            .basic_nack(
+                last,
+                BasicNackOptions {
+                    requeue: true,
+                    multiple: true,
+                },
+            )
+            .await?;
+    }
+    Ok(())
 }
 
 /// The records of `events` in one statement, then the points of those that

@@ -482,12 +482,15 @@ impl<'a> Bench<'a> {
                 "--in-flight".into(),
                 self.config.per_message_in_flight.to_string(),
             ]),
-            // The straightforward consumer's own settings, whatever idem's.
+            // Its own batches (100 deliveries or 5 ms), as many in flight
+            // as idem's batch mode keeps.
             Contender::Batched => args.extend([
                 "--batch-size".into(),
                 "100".into(),
                 "--batch-wait".into(),
                 "5ms".into(),
+                "--in-flight".into(),
+                self.config.batch_in_flight.to_string(),
             ]),
         }
         args
