@@ -153,3 +153,56 @@ mod tests {
         }
     }
 }
+
+/// `2023-11-14T22:13` or `2023-11-14T22:13:20` (optionally with a `Z`, as
+/// a browser's `datetime-local` field sends it, read as UTC) → seconds
+/// since the Unix epoch; `None` for anything else.
+pub fn parse_utc(text: &str) -> Option<u64> {
+    let text = text.trim().trim_end_matches('Z');
+    let (date, time) = text.split_once(['T', ' '])?;
+    let mut date = date.split('-');
+    let year: i64 = date.next()?.parse().ok()?;
+    let month: i64 = date.next()?.parse().ok()?;
+    let day: i64 = date.next()?.parse().ok()?;
+    let mut time = time.split(':');
+    let hour: u64 = time.next()?.parse().ok()?;
+    let minute: u64 = time.next()?.parse().ok()?;
+    let second: u64 = time.next().map_or(Some(0), |s| s.parse().ok())?;
+    if date.next().is_some()
+        || time.next().is_some()
+        || !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return None;
+    }
+    // Howard Hinnant's days_from_civil.
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let seconds = days * 86_400 + (hour * 3600 + minute * 60 + second) as i64;
+    u64::try_from(seconds).ok()
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    #[test]
+    fn a_datetime_reads_back_as_written() {
+        assert_eq!(parse_utc("2023-11-14T22:13:20"), Some(1_700_000_000));
+        assert_eq!(parse_utc("2023-11-14T22:13"), Some(1_699_999_980));
+        assert_eq!(
+            rfc3339(parse_utc("2024-02-29T00:00:00Z").unwrap_or(0)),
+            "2024-02-29T00:00:00Z"
+        );
+        assert_eq!(parse_utc("2023-13-01T00:00"), None);
+        assert_eq!(parse_utc("yesterday"), None);
+    }
+}

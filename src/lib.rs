@@ -153,6 +153,8 @@ pub mod check;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod commands;
+#[cfg(feature = "console")]
+pub mod console;
 pub mod dlq;
 #[doc(hidden)]
 pub mod duration;

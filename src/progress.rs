@@ -39,6 +39,8 @@ enum Shown {
         started: Instant,
         last: Mutex<Instant>,
     },
+    /// Counted for someone who asks ([`Progress::counts`]), not shown.
+    Counted { total: AtomicU64, done: AtomicU64 },
 }
 
 impl Progress {
@@ -80,12 +82,34 @@ impl Progress {
         })))
     }
 
+    /// Counts, for a page that shows how far the work got, and shows
+    /// nothing itself.
+    pub fn counted() -> Self {
+        Self(Some(Arc::new(Shown::Counted {
+            total: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+        })))
+    }
+
+    /// Done and total so far; `None` when nothing is counted.
+    pub fn counts(&self) -> Option<(u64, u64)> {
+        match self.0.as_deref()? {
+            #[cfg(feature = "cli")]
+            Shown::Bar(bar) => Some((bar.position(), bar.length().unwrap_or(0))),
+            Shown::Lines { total, done, .. } | Shown::Counted { total, done } => {
+                Some((done.load(Ordering::Relaxed), total.load(Ordering::Relaxed)))
+            }
+        }
+    }
+
     /// The total, once it is known.
     pub fn set_total(&self, total: u64) {
         match self.0.as_deref() {
             #[cfg(feature = "cli")]
             Some(Shown::Bar(bar)) => bar.set_length(total),
-            Some(Shown::Lines { total: known, .. }) => known.store(total, Ordering::Relaxed),
+            Some(Shown::Lines { total: known, .. } | Shown::Counted { total: known, .. }) => {
+                known.store(total, Ordering::Relaxed);
+            }
             None => {}
         }
     }
@@ -107,6 +131,9 @@ impl Progress {
                 if due {
                     shown.line(false);
                 }
+            }
+            Some(Shown::Counted { done, .. }) => {
+                done.fetch_add(n, Ordering::Relaxed);
             }
             None => {}
         }

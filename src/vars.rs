@@ -101,3 +101,9 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
         (QUORUM_SIZE, topology.quorum_size.to_string()),
     ]
 }
+/// The token the console's actions need (`console`, `worker --console`).
+pub const CONSOLE_TOKEN: &str = "IDEM_CONSOLE_TOKEN";
+/// `--console-token-file`.
+pub const CONSOLE_TOKEN_FILE: &str = "IDEM_CONSOLE_TOKEN_FILE";
+/// `--console-addr` of `console`.
+pub const CONSOLE_ADDR: &str = "IDEM_CONSOLE_ADDR";

@@ -4,6 +4,7 @@
 mod connection;
 #[doc(hidden)]
 pub mod death;
+pub(crate) mod json;
 mod publisher;
 mod topology;
 

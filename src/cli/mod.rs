@@ -59,6 +59,7 @@ pub use args::{
 use crate::broker::{Exchange, Topology};
 use crate::check;
 use crate::commands::{prune, reconcile, status};
+use crate::console::{Console, ConsoleConfig};
 use crate::dlq::{self, Printed};
 use crate::duration;
 use crate::handler::Handler;
@@ -69,8 +70,8 @@ use crate::telemetry::{self, LogFormat};
 use crate::vars;
 use crate::worker::{Mode, Worker, WorkerConfig, WorkerError};
 use args::{
-    CheckArgs, DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs,
-    WorkerArgs,
+    CheckArgs, ConsoleArgs, DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs,
+    StatusArgs, WorkerArgs,
 };
 
 /// The log filter unless `RUST_LOG` says otherwise: lapin logs from its own
@@ -213,6 +214,9 @@ enum Command<X: Subcommand, F: Args> {
     Dlq(DlqArgs),
     /// A consumer group at a glance: its queues, records, ledger and dead letters.
     Status(StatusArgs),
+    /// The dead letters and the group's state in a browser: failure groups,
+    /// letters, replays and discards, the audit of what was done.
+    Console(Box<ConsoleArgs>),
     /// Compare the upstream's export of the events it sent with what idem
     /// recorded; exits 1 unless everything matches.
     Reconcile(ReconcileArgs),
@@ -574,6 +578,22 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 let mut config = args.config()?;
                 config.outgoing.clone_from(&self.outgoing);
                 let handler = Arc::new(handler);
+                if let (true, Some(addr)) = (args.console, config.http_addr) {
+                    let console = ConsoleConfig::new(
+                        config.amqp.clone(),
+                        crate::store::DatabaseConfig {
+                            pool_size: 4,
+                            ..config.database.clone()
+                        },
+                        config.topology.clone(),
+                        config.consumer_group.clone(),
+                        config.startup_timeout,
+                    );
+                    let console = args.console_access.applied(console, addr)?;
+                    let console =
+                        Console::new(console, Arc::clone(&handler), shutdown.clone()).await?;
+                    config.routes = Some(console.router());
+                }
                 let pruner = args.pruner()?.map(|(settings, interval)| {
                     let shutdown = shutdown.child_token();
                     let stop = shutdown.clone();
@@ -620,6 +640,11 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Command::Status(args) => {
                 let status = status::run(&args.config()?, &handler, &shutdown).await?;
                 println!("{status}");
+            }
+            Command::Console(args) => {
+                let config = args.config()?;
+                let console = Console::new(config, Arc::new(handler), shutdown).await?;
+                console.serve(args.http_addr).await?;
             }
             Command::Check(args) => return prove(&args, handler, &shutdown).await,
             Command::Own(own) => return own.run(&handler, shutdown).await,

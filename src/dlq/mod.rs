@@ -22,7 +22,7 @@ use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
 };
-use lapin::types::{AMQPValue, DeliveryTag, FieldTable};
+use lapin::types::{DeliveryTag, FieldTable};
 use lapin::{BasicProperties, Channel, PublisherConfirm};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -107,6 +107,13 @@ pub struct Filter {
     pub newer_than: Option<Duration>,
     /// Only bodies the handler cannot decode (which can never apply).
     pub invalid: bool,
+    /// Its failure group in the dead-letter index: the digest of its last
+    /// error's fingerprint, as the console groups letters. A letter the
+    /// index lacks is in none.
+    pub group: Option<uuid::Uuid>,
+    /// Only these letters (their keys in the dead-letter index); empty:
+    /// any.
+    pub keys: Vec<String>,
 }
 
 /// What to do with the dead letters that match.
@@ -154,6 +161,9 @@ pub struct Entry {
     /// it died: what `--error` matches once a replay reset the ledger and
     /// was cut off before it took the letter.
     pub indexed_error: Option<String>,
+    /// Its failure group in the dead-letter index, when looked up (a
+    /// filter by group asks for it).
+    pub group: Option<uuid::Uuid>,
     /// Whether this consumer group applied it already (a replay would only
     /// be acked as a duplicate); unknown for an invalid body or when the
     /// database could not be read.
@@ -458,6 +468,8 @@ impl From<&Filter> for IndexFilter {
             older_than: filter.older_than,
             newer_than: filter.newer_than,
             invalid: filter.invalid,
+            group: filter.group,
+            keys: filter.keys.clone(),
         }
     }
 }

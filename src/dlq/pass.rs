@@ -349,6 +349,7 @@ impl<H: Handler> Pass<'_, H> {
                 replays: replays(headers),
                 failures: None,
                 indexed_error: None,
+                group: None,
                 applied: None,
             },
             delivery,
@@ -371,9 +372,11 @@ impl<H: Handler> Pass<'_, H> {
         let found = async {
             let ledger = self.store.ledger_entries(&ids).await?;
             let recorded = self.store.recorded(&ids).await?;
-            let indexed = match self.config.filter.error {
-                Some(_) => self.store.dead_letter_errors(&keys).await?,
-                None => HashMap::new(),
+            let filter = &self.config.filter;
+            let indexed = if filter.error.is_some() || filter.group.is_some() {
+                self.store.dead_letters_indexed(&keys).await?
+            } else {
+                HashMap::new()
             };
             Ok::<_, StoreError>((ledger, recorded, indexed))
         }
@@ -393,7 +396,10 @@ impl<H: Handler> Pass<'_, H> {
                 letter.entry.failures = ledger.get(id).cloned();
                 letter.entry.applied = Some(recorded.contains(id));
             }
-            letter.entry.indexed_error = indexed.remove(&letter.entry.key);
+            if let Some(indexed) = indexed.remove(&letter.entry.key) {
+                letter.entry.indexed_error = indexed.error;
+                letter.entry.group = Some(indexed.group);
+            }
         }
     }
 
@@ -683,6 +689,10 @@ impl<H: Handler> Pass<'_, H> {
                     dead_at: death
                         .and_then(|d| d.time)
                         .map(|t| UNIX_EPOCH + Duration::from_secs(t)),
+                    body: Some(letter.delivery.data.clone()),
+                    properties: Some(crate::broker::json::properties_json(
+                        &letter.delivery.properties,
+                    )),
                 }
             })
             .collect();
@@ -725,7 +735,9 @@ impl Filter {
             .as_ref()
             .is_none_or(|limit| age(limit) == Some(false));
         let invalid = !self.invalid || entry.invalid.is_some();
-        reason && event_id && error && older && newer && invalid
+        let group = self.group.is_none_or(|group| entry.group == Some(group));
+        let key = self.keys.is_empty() || self.keys.contains(&entry.key);
+        reason && event_id && error && older && newer && invalid && group && key
     }
 }
 

@@ -82,8 +82,36 @@ fn entry(reason: &str, time: u64, error: Option<&str>) -> Entry {
             last_error: error.into(),
         }),
         indexed_error: None,
+        group: None,
         applied: Some(false),
     }
+}
+
+#[test]
+fn a_filter_by_group_or_by_letters_takes_only_those() {
+    let group = uuid::Uuid::from_u128(7);
+    let mut grouped = entry("rejected", 100, Some("order 1 failed"));
+    grouped.group = Some(group);
+    let ungrouped = entry("rejected", 100, Some("order 1 failed"));
+    let by_group = Filter {
+        group: Some(group),
+        ..Filter::default()
+    };
+    assert!(by_group.matches(&grouped, 200));
+    assert!(
+        !by_group.matches(&ungrouped, 200),
+        "a letter the index lacks is in no group"
+    );
+    let by_key = Filter {
+        keys: vec![event_key("e")],
+        ..Filter::default()
+    };
+    assert!(by_key.matches(&grouped, 200));
+    let other = Filter {
+        keys: vec![event_key("f")],
+        ..Filter::default()
+    };
+    assert!(!other.matches(&grouped, 200));
 }
 
 #[test]

@@ -30,7 +30,15 @@ pub struct DeadLetter {
     pub invalid: bool,
     /// When it died; `None` for now.
     pub dead_at: Option<SystemTime>,
+    /// Its body, which the index keeps up to the store's limit for the
+    /// console to show; `None` keeps nothing.
+    pub body: Option<Vec<u8>>,
+    /// Its properties and headers, as JSON.
+    pub properties: Option<serde_json::Value>,
 }
+
+/// Most bytes of a letter's body the index keeps, unless told otherwise.
+pub const KEPT_BODY_BYTES: usize = 64 * 1024;
 
 /// What a handler sends when idem gives up on a message
 /// ([`Handler::given_up`](crate::handler::Handler::given_up)): written once
@@ -128,14 +136,17 @@ const WRITE: &str = "\
             AS recorded) \
     INSERT INTO mq_dead_letter AS letter \
         (consumer_group, letter_key, event_id, queue, reason, failures, last_error, invalid, \
-         copies, dead_at, applied) \
+         copies, dead_at, applied, body, body_bytes, body_sha256, headers) \
     SELECT $1, given.key, given.event_id, given.queue, given.reason, \
            coalesce(ledger.failures, 0), coalesce(ledger.last_error, given.error), given.invalid, \
            given.copies, coalesce(given.dead_at, now()), \
-           EXISTS (SELECT FROM applied WHERE applied.event_id = given.event_id) \
+           EXISTS (SELECT FROM applied WHERE applied.event_id = given.event_id), \
+           given.body, given.body_bytes, given.body_sha256, given.headers \
     FROM unnest($2::varchar[], $3::varchar[], $4::varchar[], $5::varchar[], $6::text[], \
-                $7::bool[], $8::int[], $9::timestamptz[]) \
-        AS given(key, event_id, queue, reason, error, invalid, copies, dead_at) \
+                $7::bool[], $8::int[], $9::timestamptz[], $11::bytea[], $12::int[], \
+                $13::bytea[], $14::jsonb[]) \
+        AS given(key, event_id, queue, reason, error, invalid, copies, dead_at, \
+                 body, body_bytes, body_sha256, headers) \
     LEFT JOIN mq_failure_ledger AS ledger \
         ON ledger.consumer_group = $1 AND ledger.event_id = given.event_id \
     ORDER BY given.key \
@@ -145,7 +156,10 @@ const WRITE: &str = "\
         event_id = EXCLUDED.event_id, queue = EXCLUDED.queue, reason = EXCLUDED.reason, \
         failures = EXCLUDED.failures, last_error = EXCLUDED.last_error, \
         invalid = EXCLUDED.invalid, dead_at = greatest(letter.dead_at, EXCLUDED.dead_at), \
-        applied = EXCLUDED.applied, touched_at = clock_timestamp()";
+        applied = EXCLUDED.applied, body = coalesce(EXCLUDED.body, letter.body), \
+        body_bytes = coalesce(EXCLUDED.body_bytes, letter.body_bytes), \
+        body_sha256 = coalesce(EXCLUDED.body_sha256, letter.body_sha256), \
+        headers = coalesce(EXCLUDED.headers, letter.headers), touched_at = clock_timestamp()";
 
 /// Takes copies off: a row whose every copy is taken goes.
 const TAKE: &str = "\
@@ -162,12 +176,13 @@ const TAKE: &str = "\
 
 /// Writes `letters` into the index of `consumer_group`: one more copy
 /// each, or, for a row last touched before `reset_before`, as many as
-/// `letters` has of its key.
+/// `letters` has of its key; the first `kept_body_bytes` of each body.
 pub(super) async fn write(
     client: &impl GenericClient,
     consumer_group: &str,
     letters: &[DeadLetter],
     reset_before: Option<SystemTime>,
+    kept_body_bytes: usize,
 ) -> Result<(), tokio_postgres::Error> {
     if letters.is_empty() {
         return Ok(());
@@ -200,6 +215,27 @@ pub(super) async fn write(
     let invalid: Vec<bool> = rows.iter().map(|(l, _)| l.invalid).collect();
     let copies: Vec<i32> = rows.iter().map(|(_, n)| *n).collect();
     let dead_at: Vec<Option<SystemTime>> = rows.iter().map(|(l, _)| l.dead_at).collect();
+    let bodies: Vec<Option<&[u8]>> = rows
+        .iter()
+        .map(|(l, _)| {
+            let body = l.body.as_deref()?;
+            (kept_body_bytes > 0).then(|| &body[..body.len().min(kept_body_bytes)])
+        })
+        .collect();
+    let body_bytes: Vec<Option<i32>> = rows
+        .iter()
+        .map(|(l, _)| {
+            l.body
+                .as_ref()
+                .map(|b| i32::try_from(b.len()).unwrap_or(i32::MAX))
+        })
+        .collect();
+    let body_sha256: Vec<Option<Vec<u8>>> = rows
+        .iter()
+        .map(|(l, _)| l.body.as_ref().map(|b| Sha256::digest(b).to_vec()))
+        .collect();
+    let headers: Vec<Option<&serde_json::Value>> =
+        rows.iter().map(|(l, _)| l.properties.as_ref()).collect();
     // Planned at each call, not prepared once: a plan made while the
     // ledger was small (scanning it whole for each letter) would stay with
     // the connection as the ledger grows, where autovacuum does not analyze
@@ -220,6 +256,10 @@ pub(super) async fn write(
                 &copies,
                 &dead_at,
                 &reset_before,
+                &bodies,
+                &body_bytes,
+                &body_sha256,
+                &headers,
             ],
         )
         .await?;
@@ -332,6 +372,10 @@ pub struct IndexFilter {
     pub newer_than: Option<Duration>,
     /// Only invalid bodies.
     pub invalid: bool,
+    /// Its failure group (the digest of its error's fingerprint).
+    pub group: Option<uuid::Uuid>,
+    /// Only these letters (their keys); empty: any.
+    pub keys: Vec<String>,
 }
 
 /// The rows that match, counted (copies).
@@ -364,16 +408,20 @@ const MATCHING_ROWS: &str = "\
     AND ($4::text IS NULL OR strpos(coalesce(letter.last_error, ''), $4) > 0) \
     AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
     AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
-    AND (NOT $7 OR letter.invalid)";
+    AND (NOT $7 OR letter.invalid) \
+    AND ($8::uuid IS NULL OR md5(letter.fingerprint)::uuid = $8) \
+    AND (cardinality($9::varchar[]) = 0 OR letter.letter_key = ANY($9))";
 
 /// The same filter over the tally's rows (`tally`), for a filter by
-/// reason, error or invalid body only: `$3`, `$5` and `$6` are null.
+/// reason, error or invalid body only: `$3`, `$5`, `$6` and `$8` are
+/// null, `$9` empty.
 const MATCHING_TALLY: &str = "\
     tally.consumer_group = $1 AND tally.letters <> 0 \
     AND ($2::varchar IS NULL OR tally.reason = $2) \
     AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
     AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
-    AND (NOT $7 OR tally.invalid)";
+    AND (NOT $7 OR tally.invalid) \
+    AND ($8::uuid IS NULL) AND (cardinality($9::varchar[]) = 0)";
 
 /// A summary's counts, from the rows that match (a filter by event id or
 /// by time).
@@ -449,7 +497,7 @@ pub(super) async fn summary(
     let seconds = |d: &Duration| d.as_secs_f64();
     let older_than = filter.older_than.as_ref().map(seconds);
     let newer_than = filter.newer_than.as_ref().map(seconds);
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] = [
+    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 9] = [
         &consumer_group,
         &filter.reason,
         &filter.event_id,
@@ -457,8 +505,14 @@ pub(super) async fn summary(
         &older_than,
         &newer_than,
         &filter.invalid,
+        &filter.group,
+        &filter.keys,
     ];
-    let by_rows = filter.event_id.is_some() || older_than.is_some() || newer_than.is_some();
+    let by_rows = filter.event_id.is_some()
+        || older_than.is_some()
+        || newer_than.is_some()
+        || filter.group.is_some()
+        || !filter.keys.is_empty();
     let counts = if by_rows {
         SUMMARY_OF_ROWS.replace("{MATCHING}", MATCHING_ROWS)
     } else {
@@ -493,22 +547,36 @@ pub(super) async fn summary(
 }
 
 /// The last error the index holds for each of `keys` that has one.
-pub(super) async fn errors(
+pub(super) async fn indexed(
     client: &impl GenericClient,
     consumer_group: &str,
     keys: &[&str],
-) -> Result<HashMap<String, String>, tokio_postgres::Error> {
+) -> Result<HashMap<String, Indexed>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT letter_key, last_error FROM mq_dead_letter \
-             WHERE consumer_group = $1 AND letter_key = ANY($2::varchar[]) \
-               AND last_error IS NOT NULL",
+            "SELECT letter_key, last_error, md5(fingerprint)::uuid FROM mq_dead_letter \
+             WHERE consumer_group = $1 AND letter_key = ANY($2::varchar[])",
             &[&consumer_group, &keys],
         )
         .await?;
     rows.iter()
-        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .map(|row| {
+            let indexed = Indexed {
+                error: row.try_get(1)?,
+                group: row.try_get(2)?,
+            };
+            Ok((row.try_get(0)?, indexed))
+        })
         .collect()
+}
+
+/// What the index keeps of a letter that an action's filter may ask about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Indexed {
+    /// The ledger's last error when it died (or why its body is invalid).
+    pub error: Option<String>,
+    /// Its failure group: the digest of its error's fingerprint.
+    pub group: uuid::Uuid,
 }
 
 /// The oldest epoch holding a record of an event of `consumer_group` that

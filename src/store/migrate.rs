@@ -42,6 +42,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(12, "0012_closed_epochs_refuse_records.sql"),
     migration!(13, "0013_given_up_messages.sql"),
     migration!(14, "0014_migration_checksums.sql"),
+    migration!(15, "0015_console.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of
@@ -76,6 +77,7 @@ pub(crate) const FUNCTIONS: &[Function] = &[
     function!("mq_claim"),
     function!("mq_dead_letter_error_tally_add"),
     function!("mq_dead_letter_tally"),
+    function!("mq_dead_letter_groups"),
 ];
 
 /// The checksum a migration or a function is recorded with: the SHA-256 of

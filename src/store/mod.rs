@@ -7,6 +7,8 @@ mod apply;
 mod claim;
 mod config;
 #[doc(hidden)]
+pub mod console;
+#[doc(hidden)]
 pub mod dead_letters;
 mod failure;
 #[doc(hidden)]
@@ -45,7 +47,7 @@ pub use claim::{
 pub use config::is_identifier;
 pub use config::{ConfigError, DatabaseConfig};
 pub(crate) use dead_letters::GivenUpMessages;
-pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals};
+pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals, Indexed};
 pub use failure::StoreError;
 #[doc(hidden)]
 pub use failure::describe;
@@ -75,6 +77,8 @@ pub struct Store {
     /// Connections its claims share, committing without waiting for their
     /// own flush (a worker's store has them).
     lanes: Option<Lanes>,
+    /// Most bytes of a dead letter's body the index keeps.
+    kept_body_bytes: usize,
 }
 
 impl std::fmt::Debug for Store {
@@ -96,6 +100,16 @@ impl Store {
             consumer_group: consumer_group.into(),
             filters: Arc::default(),
             lanes: None,
+            kept_body_bytes: dead_letters::KEPT_BODY_BYTES,
+        }
+    }
+
+    /// The same store, keeping at most `bytes` of each dead letter's body
+    /// in the index (0: none, only its size and digest).
+    pub fn with_kept_body_bytes(self, bytes: usize) -> Self {
+        Self {
+            kept_body_bytes: bytes,
+            ..self
         }
     }
 
@@ -234,10 +248,24 @@ impl Store {
         }
         let mut client = self.pool.get().await?;
         if given_up.iter().all(|death| death.messages.is_empty()) {
-            return Ok(dead_letters::write(&client, &self.consumer_group, letters, None).await?);
+            return Ok(dead_letters::write(
+                &client,
+                &self.consumer_group,
+                letters,
+                None,
+                self.kept_body_bytes,
+            )
+            .await?);
         }
         let tx = client.transaction().await?;
-        dead_letters::write(&tx, &self.consumer_group, letters, None).await?;
+        dead_letters::write(
+            &tx,
+            &self.consumer_group,
+            letters,
+            None,
+            self.kept_body_bytes,
+        )
+        .await?;
         dead_letters::write_given_up(&tx, &self.consumer_group, given_up).await?;
         tx.commit().await?;
         Ok(())
@@ -253,18 +281,18 @@ impl Store {
         Ok(dead_letters::take(&client, &self.consumer_group, keys).await?)
     }
 
-    /// The last error the dead-letter index keeps for each of `keys` that
-    /// has one: the ledger's when the letter died, kept after a replay
-    /// resets the ledger.
-    pub async fn dead_letter_errors(
+    /// What the dead-letter index keeps of each of `keys` it has: the last
+    /// error (the ledger's when the letter died, kept after a replay resets
+    /// the ledger) and the failure group.
+    pub async fn dead_letters_indexed(
         &self,
         keys: &[&str],
-    ) -> Result<HashMap<String, String>, StoreError> {
+    ) -> Result<HashMap<String, Indexed>, StoreError> {
         if keys.is_empty() {
             return Ok(HashMap::new());
         }
         let client = self.pool.get().await?;
-        Ok(dead_letters::errors(&client, &self.consumer_group, keys).await?)
+        Ok(dead_letters::indexed(&client, &self.consumer_group, keys).await?)
     }
 
     /// Indexes letters a sync found, each one copy; a row last touched
@@ -275,7 +303,14 @@ impl Store {
         started: SystemTime,
     ) -> Result<(), StoreError> {
         let client = self.pool.get().await?;
-        Ok(dead_letters::write(&client, &self.consumer_group, letters, Some(started)).await?)
+        Ok(dead_letters::write(
+            &client,
+            &self.consumer_group,
+            letters,
+            Some(started),
+            self.kept_body_bytes,
+        )
+        .await?)
     }
 
     /// Ends a sync that started at `started` and found `letters` letters:

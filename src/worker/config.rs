@@ -119,6 +119,9 @@ pub struct WorkerConfig {
     pub startup_timeout: Duration,
     /// Where to serve `/metrics`, `/healthz` and `/readyz`; `None`: nowhere.
     pub http_addr: Option<std::net::SocketAddr>,
+    /// More routes that address serves beside those (the console's pages,
+    /// with `worker --console`), on paths of their own.
+    pub routes: Option<axum::Router>,
     /// How often to log a summary of what was done (and a last one with
     /// the totals at the end); zero: only at the end.
     pub summary_interval: Duration,
@@ -191,6 +194,7 @@ impl WorkerConfig {
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
             startup_timeout: Self::DEFAULT_STARTUP_TIMEOUT,
             http_addr: None,
+            routes: None,
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
             relay: true,
             epochs: EpochSettings::default(),

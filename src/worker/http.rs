@@ -28,6 +28,7 @@ pub(crate) struct Probe {
 pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     probe: Probe,
+    routes: Option<Router>,
     shutdown: CancellationToken,
 ) {
     if let Ok(addr) = listener.local_addr() {
@@ -37,7 +38,8 @@ pub(crate) async fn serve(
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(probe);
+        .with_state(probe)
+        .merge(routes.unwrap_or_default());
     let served = axum::serve(listener, routes)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await;

@@ -187,7 +187,12 @@ impl<H: Handler> Worker<H> {
                 health: health.clone(),
                 pool: store.pool().clone(),
             };
-            tokio::spawn(http::serve(listener, probe, shutdown.clone()))
+            tokio::spawn(http::serve(
+                listener,
+                probe,
+                config.routes.clone(),
+                shutdown.clone(),
+            ))
         });
         let summary = tokio::spawn(summarize(
             Arc::clone(&stats),

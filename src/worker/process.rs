@@ -94,6 +94,8 @@ impl Decided {
             invalid: event_id.is_none(),
             error,
             dead_at: None,
+            body: Some(delivery.data.clone()),
+            properties: Some(crate::broker::json::properties_json(&delivery.properties)),
         });
         self.dead.push(delivery);
     }

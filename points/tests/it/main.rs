@@ -27,6 +27,7 @@ mod bench;
 mod binary;
 mod check;
 mod cluster;
+mod console;
 mod dead_letters;
 mod definitions;
 mod docs;

@@ -517,3 +517,81 @@ fn the_stock_service_fits_in_a_screen() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// The example's binary serves the console with no code of its own: its
+/// groups, a letter, and a replay of one group with the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stock_binary_serves_the_console_of_its_own_dead_letters() -> anyhow::Result<()> {
+    let env = StockEnv::new().await?;
+    env.sql("INSERT INTO stock VALUES ('SKU-A', 10)").await?;
+    let oversold = Reservation::new("reservation-1", "SKU-A", 11);
+    let unknown = Reservation::new("reservation-2", "SKU-Z", 1);
+    env.publish(&[oversold.body(), unknown.body()]).await?;
+    let worker = env.worker(&database_url(), Mode::Batch)?;
+    env.wait_dead_letters(2).await?;
+
+    let port = crate::support::free_port()?;
+    let mut command = env.example(&database_url(), Mode::Batch);
+    command
+        .args(["console", "--http-addr", &format!("127.0.0.1:{port}")])
+        .env(vars::CONSOLE_TOKEN, "stock-token");
+    let console = WorkerProcess::start(command)?;
+    let _ = idem::tls::provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    let url = |path: &str| format!("http://127.0.0.1:{port}{path}");
+    wait_for("the console to answer", Duration::from_secs(30), || async {
+        Ok(http
+            .get(url("/"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status() == 200))
+    })
+    .await?;
+    let overview = http.get(url("/")).send().await?.text().await?;
+    ensure!(overview.contains("stock-reservations"), "{overview}");
+    ensure!(overview.contains("stock.reservations.dlq"), "{overview}");
+    let groups = http.get(url("/groups")).send().await?.text().await?;
+    ensure!(groups.contains("no such SKU among SKU-Z"), "{groups}");
+    ensure!(groups.contains("stock_available_check"), "{groups}");
+
+    // The unknown SKU added: its group replayed, by a program with the token.
+    env.sql("INSERT INTO stock VALUES ('SKU-Z', 5)").await?;
+    let group: uuid::Uuid = env
+        .pool
+        .get()
+        .await?
+        .query_one(
+            "SELECT group_id FROM mq_dead_letter_group WHERE fingerprint LIKE '%SKU-Z%'",
+            &[],
+        )
+        .await?
+        .get(0);
+    let started = http
+        .post(url("/actions"))
+        .bearer_auth("stock-token")
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("action=replay&group={group}&expected=1"))
+        .send()
+        .await?;
+    ensure!(started.status() == 303, "{}", started.text().await?);
+    env.wait_records(1, Duration::from_secs(30)).await?;
+    env.wait_dead_letters(1).await?;
+    wait_for(
+        "the audit to record the replay",
+        Duration::from_secs(30),
+        || async {
+            let audit = http.get(url("/audit")).send().await?.text().await?;
+            Ok(audit.contains("replayed 1") && audit.contains("holder (bearer)"))
+        },
+    )
+    .await?;
+    console.stop().await?;
+    worker.stop().await?;
+    assert_eq!(
+        env.available().await?,
+        BTreeMap::from([("SKU-A".into(), 10), ("SKU-Z".into(), 4)])
+    );
+    Ok(())
+}

@@ -25,9 +25,11 @@ use crate::store::DatabaseConfig;
 use crate::vars;
 use crate::worker::{ConfigError, EpochSettings, Mode, WorkerConfig, check_consumer_group};
 
+mod console;
 mod operator;
 mod worker;
 
+pub(crate) use console::*;
 pub(crate) use operator::*;
 pub(crate) use worker::*;
 

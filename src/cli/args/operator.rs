@@ -212,6 +212,10 @@ pub(crate) struct FilterArgs {
     /// Only bodies the handler cannot decode, which can never apply.
     #[arg(long)]
     pub(crate) invalid: bool,
+    /// The failure group (as the console shows it): letters whose last
+    /// error, numbers, ids and quoted values taken out, is the group's.
+    #[arg(long, value_name = "ID")]
+    pub(crate) group: Option<uuid::Uuid>,
     /// Act on at most this many of those that match.
     #[arg(long)]
     pub(crate) limit: Option<usize>,
@@ -357,6 +361,8 @@ impl DlqArgs {
                     older_than: filter.older_than.map(|wait| wait.0),
                     newer_than: filter.newer_than.map(|wait| wait.0),
                     invalid: filter.invalid,
+                    group: filter.group,
+                    keys: Vec::new(),
                 },
                 filter.limit,
             )?

@@ -63,6 +63,12 @@ pub(crate) struct WorkerArgs<F: Args> {
     /// (e.g. 127.0.0.1:9475) [default: nowhere].
     #[arg(long, env = vars::HTTP_ADDR, value_parser = socket_addr)]
     pub(crate) http_addr: Option<std::net::SocketAddr>,
+    /// Serve the console (dead letters, replays, the audit) on --http-addr
+    /// too, beside /metrics.
+    #[arg(long, requires = "http_addr")]
+    pub(crate) console: bool,
+    #[command(flatten)]
+    pub(crate) console_access: super::ConsoleAccessArgs,
     /// How often to log what was done (applied, duplicates, dead-lettered,
     /// rate); `0` only logs the totals at the end.
     #[arg(

@@ -1,0 +1,490 @@
+//! The console in a real browser (Chromium, driven through chromedriver),
+//! against a worker, RabbitMQ and PostgreSQL: an operator finds a failing
+//! group, opens a letter, is refused an action without the token, logs in,
+//! replays the group once the cause is fixed, and finds the action in the
+//! audit; a body and an error holding HTML are shown as text and run
+//! nothing. And, without a browser, what a stranger would try: a POST from
+//! another origin, a forged form, reading a console that listens beyond
+//! loopback.
+//!
+//! The browser tests need `chromedriver` and Chromium (`apt-get install
+//! chromium chromium-driver`; `.ci/run` installs them): without them they
+//! say they were skipped, and why. `IDEM_SCREENSHOTS=DIR` keeps the pages
+//! they see as PNG files (the guide's pictures come from there).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, ensure};
+use fantoccini::{Client, ClientBuilder, Locator};
+use hyper_util::client::legacy::connect::HttpConnector;
+use tokio_util::sync::CancellationToken;
+
+use idem::console::{Console, ConsoleConfig, Token};
+use idem::worker::Mode;
+use idem_points::points::{PaymentSucceeded, Points};
+
+use crate::support::{GROUP, RunningWorker, TestEnv, free_port, patient, wait_for};
+
+const TOKEN: &str = "a-console-token-for-the-tests";
+
+/// A console of `env`'s group, in this process, on a port of its own.
+struct RunningConsole {
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningConsole {
+    async fn start(
+        env: &TestEnv,
+        configure: impl FnOnce(&mut ConsoleConfig),
+    ) -> anyhow::Result<Self> {
+        let mut config = ConsoleConfig::new(
+            env.amqp.clone(),
+            env.database.clone(),
+            env.topology.clone(),
+            GROUP,
+            patient(Duration::from_secs(10)),
+        );
+        config.token = Token::new(TOKEN);
+        config.discard_dir = std::env::temp_dir().join(format!("{}-discarded", env.name));
+        configure(&mut config);
+        let shutdown = CancellationToken::new();
+        let console = Console::new(config, Arc::new(Points), shutdown.clone()).await?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let task = tokio::spawn(console.serve_on(listener));
+        Ok(Self {
+            addr,
+            shutdown,
+            task,
+        })
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.task.await?;
+        Ok(())
+    }
+}
+
+/// Chromium, headless, through a chromedriver of this test's own.
+struct Browser {
+    client: Client,
+    _driver: tokio::process::Child,
+}
+
+impl Browser {
+    /// `None`, having said why, where there is no chromedriver.
+    async fn start() -> anyhow::Result<Option<Self>> {
+        let driver =
+            std::env::var("IDEM_TEST_CHROMEDRIVER").unwrap_or_else(|_| "chromedriver".into());
+        let port = free_port()?;
+        let child = tokio::process::Command::new(&driver)
+            .arg(format!("--port={port}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn();
+        let child = match child {
+            Ok(child) => child,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!(
+                    "skipped: no {driver} on this machine (apt-get install chromium chromium-driver, \
+                     or set IDEM_TEST_CHROMEDRIVER): the console's browser tests did not run"
+                );
+                return Ok(None);
+            }
+            Err(error) => return Err(error).context(format!("starting {driver}")),
+        };
+        let mut capabilities = serde_json::Map::new();
+        capabilities.insert(
+            "goog:chromeOptions".into(),
+            serde_json::json!({
+                "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
+                         "--disable-dev-shm-usage", "--window-size=1280,900"]
+            }),
+        );
+        let url = format!("http://127.0.0.1:{port}");
+        wait_for(
+            "chromedriver to answer",
+            Duration::from_secs(20),
+            || async {
+                Ok(tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .is_ok())
+            },
+        )
+        .await?;
+        let client = ClientBuilder::new(HttpConnector::new())
+            .capabilities(capabilities)
+            .connect(&url)
+            .await
+            .context("opening a Chromium session")?;
+        Ok(Some(Self {
+            client,
+            _driver: child,
+        }))
+    }
+
+    async fn text(&self, css: &str) -> anyhow::Result<String> {
+        Ok(self.client.find(Locator::Css(css)).await?.text().await?)
+    }
+
+    /// Keeps the page as `name.png` under `IDEM_SCREENSHOTS`, when set.
+    async fn keep(&self, name: &str) -> anyhow::Result<()> {
+        if let Ok(dir) = std::env::var("IDEM_SCREENSHOTS") {
+            std::fs::create_dir_all(&dir)?;
+            let png = self.client.screenshot().await?;
+            std::fs::write(std::path::Path::new(&dir).join(format!("{name}.png")), png)?;
+        }
+        Ok(())
+    }
+
+    async fn close(self) -> anyhow::Result<()> {
+        self.client.close().await?;
+        Ok(())
+    }
+}
+
+fn poisoned(env: &TestEnv, i: usize) -> PaymentSucceeded {
+    PaymentSucceeded {
+        event_id: format!("{}-poisoned-{i}", env.name),
+        order_id: "poison-order".into(),
+        points: 1,
+    }
+}
+
+/// Dead-letters `bodies` through a worker that gives up on the first
+/// failure; returns it still running.
+async fn dead_lettered(
+    env: &TestEnv,
+    bodies: &[Vec<u8>],
+    letters: u32,
+) -> anyhow::Result<RunningWorker> {
+    env.publish_bodies(bodies).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.max_attempts = 1;
+    let worker = RunningWorker::start(config);
+    wait_for("the dead letters", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == letters)
+    })
+    .await?;
+    Ok(worker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token()
+-> anyhow::Result<()> {
+    let Some(browser) = Browser::start().await? else {
+        return Ok(());
+    };
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let events: Vec<PaymentSucceeded> = (0..3).map(|i| poisoned(&env, i)).collect();
+    let mut bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+    bodies.push(br#"{"eventId": "e", "orderId": "o", "points": -1}"#.to_vec());
+    let worker = dead_lettered(&env, &bodies, 4).await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let page = &browser.client;
+
+    // The overview counts them; the groups page shows the failing group.
+    page.goto(&console.url("/")).await?;
+    let overview = browser.text("main").await?;
+    ensure!(overview.contains("4\ndead letters"), "{overview}");
+    ensure!(
+        overview.contains(&env.topology.dead_letter_queue),
+        "{overview}"
+    );
+    browser.keep("console-overview").await?;
+    page.goto(&console.url("/groups")).await?;
+    browser.keep("console-groups").await?;
+    let group_link = page
+        .find(Locator::XPath(
+            "//a[contains(., 'order poison-order is poisoned')]",
+        ))
+        .await
+        .context("the poisoned order's group is listed")?;
+    group_link.click().await?;
+    let group = browser.text("main").await?;
+    for event in &events {
+        ensure!(group.contains(&event.event_id), "{group}");
+    }
+    browser.keep("console-group").await?;
+
+    // A letter: its body, its failure, what a replay would do.
+    page.find(Locator::LinkText(&events[0].event_id))
+        .await?
+        .click()
+        .await?;
+    let letter = browser.text("main").await?;
+    ensure!(
+        browser
+            .text("pre.body")
+            .await?
+            .contains("\"orderId\": \"poison-order\""),
+        "{letter}"
+    );
+    ensure!(
+        letter.contains("order poison-order is poisoned"),
+        "{letter}"
+    );
+    ensure!(letter.contains("applies it"), "{letter}");
+    browser.keep("console-letter").await?;
+
+    // Without the token, an action is refused, and nothing is recorded.
+    page.find(Locator::Css("button[value=replay-selected]"))
+        .await?
+        .click()
+        .await?;
+    let refused = browser.text("main").await?;
+    ensure!(refused.contains("actions need the token"), "{refused}");
+    ensure!(env.count_rows("idem_console_audit").await? == 0);
+
+    // Logged in, and the cause fixed: the group is replayed, once.
+    page.goto(&console.url("/login")).await?;
+    page.find(Locator::Css("#token"))
+        .await?
+        .send_keys(TOKEN)
+        .await?;
+    page.find(Locator::Css("form[action='/login'] button"))
+        .await?
+        .click()
+        .await?;
+    wait_for("the login to take", Duration::from_secs(10), || async {
+        Ok(browser
+            .text("nav")
+            .await
+            .is_ok_and(|text| text.contains("the token's holder (session)")))
+    })
+    .await?;
+    env.sql("DROP TRIGGER poison ON user_points").await?;
+    page.goto(&console.url("/groups")).await?;
+    page.find(Locator::XPath(
+        "//a[contains(., 'order poison-order is poisoned')]",
+    ))
+    .await?
+    .click()
+    .await?;
+    page.find(Locator::Css("button[value=replay]"))
+        .await?
+        .click()
+        .await?;
+    let dry_run = browser.text("main").await?;
+    ensure!(
+        dry_run.contains("events a replay would apply 3"),
+        "{dry_run}"
+    );
+    browser.keep("console-dry-run").await?;
+    page.find(Locator::Css("form[action='/actions'] button"))
+        .await?
+        .click()
+        .await?;
+    // The page reloads itself while the action runs: an element read as
+    // it reloads is gone, and read again.
+    wait_for("the replay to end", Duration::from_secs(30), || async {
+        Ok(browser
+            .text("main")
+            .await
+            .is_ok_and(|text| text.contains("replayed 3")))
+    })
+    .await?;
+    browser.keep("console-action").await?;
+    wait_for(
+        "the replayed events' points",
+        Duration::from_secs(30),
+        || async { Ok(env.points("poison-order").await? == 3) },
+    )
+    .await?;
+    for event in &events {
+        ensure!(env.records_of(&event.event_id, GROUP).await? == 1);
+    }
+    ensure!(
+        env.ready(&env.topology.dead_letter_queue).await? == 1,
+        "the invalid body stays"
+    );
+
+    // The audit says who did what, to how many, and how it ended.
+    page.goto(&console.url("/audit")).await?;
+    let audit = browser.text("main table").await?;
+    ensure!(audit.contains("the token's holder (session)"), "{audit}");
+    ensure!(audit.contains("replay"), "{audit}");
+    ensure!(audit.contains("replayed 3"), "{audit}");
+    browser.keep("console-audit").await?;
+
+    browser.close().await?;
+    console.stop().await?;
+    worker.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn html_in_a_body_or_an_error_is_shown_as_text_and_runs_nothing() -> anyhow::Result<()> {
+    let Some(browser) = Browser::start().await? else {
+        return Ok(());
+    };
+    let env = TestEnv::new().await?;
+    let payload =
+        r#"<script>document.title='pwned'</script><img src=x onerror="document.title='pwned'">"#;
+    // An error whose text is HTML, from a trigger the event fails on.
+    env.sql(&format!(
+        "CREATE FUNCTION hostile() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION '%', {}; END $$;
+         CREATE TRIGGER hostile BEFORE INSERT OR UPDATE ON user_points
+             FOR EACH ROW EXECUTE FUNCTION hostile();",
+        quote(payload)
+    ))
+    .await?;
+    let event = PaymentSucceeded {
+        event_id: format!("{}-hostile", env.name),
+        order_id: "order".into(),
+        points: 1,
+    };
+    let bodies = vec![event.to_body(), payload.as_bytes().to_vec()];
+    let worker = dead_lettered(&env, &bodies, 2).await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let page = &browser.client;
+
+    page.goto(&console.url("/groups")).await?;
+    let groups = browser.text("main").await?;
+    ensure!(
+        groups.contains("<script>document.title="),
+        "the error shown as text: {groups}"
+    );
+    let letters: Vec<String> = {
+        let mut hrefs = Vec::new();
+        for link in page
+            .find_all(Locator::Css("main a[href^='/letter']"))
+            .await?
+        {
+            hrefs.extend(link.attr("href").await?);
+        }
+        hrefs
+    };
+    ensure!(letters.len() == 2, "{letters:?}");
+    for href in letters {
+        page.goto(&console.url(&href)).await?;
+        let text = browser.text("main").await?;
+        ensure!(
+            text.contains("<script>document.title='pwned'</script>"),
+            "{text}"
+        );
+        ensure!(page.title().await? != "pwned", "a script ran on {href}");
+        let images = page.find_all(Locator::Css("main img")).await?;
+        ensure!(images.is_empty(), "the payload became an element on {href}");
+    }
+    ensure!(page.title().await? != "pwned");
+    browser.keep("console-hostile-letter").await?;
+
+    browser.close().await?;
+    console.stop().await?;
+    worker.stop().await?;
+    Ok(())
+}
+
+/// A PL/pgSQL string literal of `text`.
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// What a stranger would try, by hand rather than by browser.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stranger_is_refused_what_the_token_allows() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let worker = dead_lettered(&env, &[poisoned(&env, 0).to_body()], 1).await?;
+    worker.stop().await?;
+    let group: uuid::Uuid = env
+        .pool
+        .get()
+        .await?
+        .query_one("SELECT group_id FROM mq_dead_letter_group", &[])
+        .await?
+        .get(0);
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    // The process's TLS provider, which the client asks for though it speaks plain HTTP.
+    let _ = idem::tls::provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    let preview = |origin: Option<&str>, bearer: Option<&str>, form_token: &str| {
+        let mut request = http
+            .post(console.url("/actions/preview"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(format!(
+                "action=replay&group={group}&form_token={form_token}"
+            ));
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        request.send()
+    };
+    let own = format!("http://{}", console.addr);
+
+    // Reading is open on loopback; the page forbids scripts.
+    let overview = http.get(console.url("/")).send().await?;
+    ensure!(overview.status() == 200);
+    let policy = overview.headers()["content-security-policy"]
+        .to_str()?
+        .to_owned();
+    ensure!(policy.contains("default-src 'none'"), "{policy}");
+    // Acting without the token, or with a wrong one, is refused.
+    ensure!(preview(Some(&own), None, "").await?.status() == 403);
+    ensure!(preview(None, Some("not-the-token"), "").await?.status() == 403);
+    // The token from another origin is refused, whatever it carries.
+    ensure!(
+        preview(Some("http://evil.example"), Some(TOKEN), "")
+            .await?
+            .status()
+            == 403
+    );
+    // A program with the token needs no form token; it gets the dry run.
+    let dry_run = preview(None, Some(TOKEN), "").await?;
+    ensure!(dry_run.status() == 200);
+    ensure!(
+        dry_run
+            .text()
+            .await?
+            .contains("events a replay would apply")
+    );
+    // A browser session without the form token of this console's pages
+    // (a forged form) is refused.
+    let login = http
+        .post(console.url("/login"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={TOKEN}&form_token=forged"))
+        .send()
+        .await?;
+    ensure!(login.status() == 403, "a login needs the form token too");
+    ensure!(
+        env.count_rows("idem_console_audit").await? == 0,
+        "nothing was done"
+    );
+    console.stop().await?;
+
+    // Beyond loopback, reading needs the token too.
+    let console = RunningConsole::start(&env, |config| config.reading_needs_token = true).await?;
+    ensure!(http.get(console.url("/groups")).send().await?.status() == 401);
+    let read = http
+        .get(console.url("/groups"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?;
+    ensure!(read.status() == 200);
+    ensure!(
+        read.text()
+            .await?
+            .contains("order poison-order is poisoned")
+    );
+    console.stop().await?;
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! The console's flags: `console`, and `worker --console`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Args;
+
+use super::{AmqpArgs, DatabaseArgs, GroupArgs, QueueArgs, SettingError, WaitArgs, socket_addr};
+use crate::broker::Topology;
+
+use crate::console::{ConsoleConfig, DEFAULT_ADDR, Token};
+use crate::vars;
+
+/// What the console lets be seen and done, and by whom.
+#[derive(Debug, Args)]
+#[command(next_help_heading = "Console")]
+pub(crate) struct ConsoleAccessArgs {
+    /// A file holding the token actions need (instead of IDEM_CONSOLE_TOKEN,
+    /// which is read from the environment only, never from a flag).
+    #[arg(long, env = vars::CONSOLE_TOKEN_FILE, value_name = "FILE")]
+    pub(crate) console_token_file: Option<PathBuf>,
+    /// Trust this header as naming the user a reverse proxy in front of the
+    /// console authenticated (e.g. X-Forwarded-User): such a user may act.
+    /// Only where nothing reaches the console but through that proxy.
+    #[arg(long, value_name = "HEADER")]
+    pub(crate) trust_user_header: Option<String>,
+    /// Show of each letter's body only its size and SHA-256, and of its
+    /// headers only their names.
+    #[arg(long)]
+    pub(crate) hide_bodies: bool,
+    /// Where discards write their letters before removing them.
+    #[arg(long, value_name = "DIR", default_value = "discarded")]
+    pub(crate) discard_dir: PathBuf,
+}
+
+impl ConsoleAccessArgs {
+    /// The token: from the file, or from IDEM_CONSOLE_TOKEN.
+    fn token(&self) -> Result<Option<Token>, SettingError> {
+        match &self.console_token_file {
+            Some(file) => {
+                let text = std::fs::read_to_string(file).map_err(|e| {
+                    SettingError::new(format!(
+                        "--console-token-file {}: cannot read it: {e}",
+                        file.display()
+                    ))
+                })?;
+                Token::new(&text).map(Some).ok_or_else(|| {
+                    SettingError::new(format!(
+                        "--console-token-file {}: it is empty",
+                        file.display()
+                    ))
+                })
+            }
+            None => Ok(std::env::var(vars::CONSOLE_TOKEN)
+                .ok()
+                .and_then(|text| Token::new(&text))),
+        }
+    }
+
+    /// `config` with this access, for a console listening on `addr`.
+    pub(crate) fn applied(
+        &self,
+        mut config: ConsoleConfig,
+        addr: SocketAddr,
+    ) -> Result<ConsoleConfig, SettingError> {
+        config.token = self.token()?;
+        config.trusted_user_header = self.trust_user_header.clone();
+        config.hide_bodies = self.hide_bodies;
+        config.discard_dir.clone_from(&self.discard_dir);
+        config.reading_needs_token = !addr.ip().is_loopback();
+        Ok(config)
+    }
+}
+
+/// `console`.
+#[derive(Debug, Args)]
+pub(crate) struct ConsoleArgs {
+    /// Where the console listens. Beyond loopback, reading needs the token
+    /// too.
+    #[arg(long, env = vars::CONSOLE_ADDR, default_value = DEFAULT_ADDR, value_parser = socket_addr)]
+    pub(crate) http_addr: SocketAddr,
+    #[command(flatten)]
+    pub(crate) access: ConsoleAccessArgs,
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) queues: QueueArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+impl ConsoleArgs {
+    /// Settings of `console`.
+    pub(crate) fn config(&self) -> Result<ConsoleConfig, SettingError> {
+        let queues = &self.queues;
+        let config = ConsoleConfig::new(
+            self.amqp.config(),
+            self.database.config(4),
+            Topology {
+                retry_delays: queues.retry_delays.0.clone(),
+                dead_letter_exchange: queues.dead_letter_exchange.clone(),
+                dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),
+                ..Topology::for_queue(&queues.queue)
+            },
+            self.group.consumer_group()?,
+            self.wait.startup_timeout.0,
+        );
+        self.access.applied(config, self.http_addr)
+    }
+}

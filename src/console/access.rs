@@ -1,0 +1,347 @@
+//! Who may do what: reading is open on a loopback address, acting needs
+//! the token (a bearer header, or the session cookie the login page sets)
+//! or a user named by a trusted proxy; a POST must come from the console's
+//! own pages (same origin, the process's form token).
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use hmac::{Hmac, Mac};
+use maud::html;
+use sha2::Sha256;
+
+use super::Console;
+use super::view::{self, Fields};
+use crate::handler::Handler;
+
+/// The cookie of a session opened with the token.
+const SESSION_COOKIE: &str = "idem_console";
+
+/// The console's token: never shown, logged or printed.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl Token {
+    /// A token; `None` when `text` is empty (after trimming a file's
+    /// newline).
+    pub fn new(text: &str) -> Option<Self> {
+        let text = text.trim();
+        (!text.is_empty()).then(|| Self(text.to_owned()))
+    }
+
+    /// Whether `offered` is the token, in time that does not say how much
+    /// of it matched.
+    fn admits(&self, offered: &str) -> bool {
+        same(offered, &self.0)
+    }
+
+    /// The session cookie's value for this token.
+    fn session(&self) -> String {
+        hex(&tag(self.0.as_bytes(), b"idem console session"))
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(…)")
+    }
+}
+
+fn mac(key: &[u8], message: &[u8]) -> Hmac<Sha256> {
+    // HMAC takes a key of any length.
+    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
+    mac.update(message);
+    mac
+}
+
+fn tag(key: &[u8], message: &[u8]) -> Vec<u8> {
+    mac(key, message).finalize().into_bytes().to_vec()
+}
+
+/// Whether `offered` is `expected`, compared in time that does not say
+/// how much of it matched (their HMACs, compared in constant time).
+fn same(offered: &str, expected: &str) -> bool {
+    const KEY: &[u8] = b"idem console comparison";
+    mac(KEY, offered.as_bytes())
+        .verify_slice(&tag(KEY, expected.as_bytes()))
+        .is_ok()
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The process's key for its form tokens: a form rendered by another
+/// process (or a page of another site) does not carry its token.
+pub(super) struct FormKey([u8; 32]);
+
+impl FormKey {
+    pub(super) fn random() -> Result<Self, String> {
+        let mut key = [0; 32];
+        getrandom::fill(&mut key).map_err(|e| e.to_string())?;
+        Ok(Self(key))
+    }
+
+    /// The token every form of this process carries.
+    pub(super) fn token(&self) -> String {
+        hex(&tag(&self.0, b"idem console form"))
+    }
+
+    fn admits(&self, offered: &str) -> bool {
+        same(offered, &self.token())
+    }
+}
+
+/// Who asks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Who {
+    /// Nobody known.
+    Anyone,
+    /// The token's holder, by a bearer header (a program, not a browser:
+    /// no form token needed) or by the session cookie.
+    Token { bearer: bool },
+    /// A user the trusted proxy named.
+    User(String),
+}
+
+impl Who {
+    pub(super) fn may_act(&self) -> bool {
+        !matches!(self, Who::Anyone)
+    }
+
+    /// As the audit records it.
+    pub(super) fn audited(&self) -> String {
+        match self {
+            Who::Anyone => "anyone".to_owned(),
+            Who::Token { bearer: true } => "the token's holder (bearer)".to_owned(),
+            Who::Token { bearer: false } => "the token's holder (session)".to_owned(),
+            Who::User(user) => format!("user {user}"),
+        }
+    }
+}
+
+impl<H: Handler> Console<H> {
+    /// Who the request comes from.
+    pub(super) fn who(&self, headers: &HeaderMap) -> Who {
+        let config = &self.inner.config;
+        if let Some(name) = &config.trusted_user_header
+            && let Some(user) = headers.get(name.as_str()).and_then(|v| v.to_str().ok())
+            && !user.trim().is_empty()
+        {
+            return Who::User(user.trim().to_owned());
+        }
+        let Some(token) = &config.token else {
+            return Who::Anyone;
+        };
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if let Some(offered) = bearer {
+            return if token.admits(offered.trim()) {
+                Who::Token { bearer: true }
+            } else {
+                Who::Anyone
+            };
+        }
+        let session = token.session();
+        let cookie =
+            cookies(headers).any(|(name, value)| name == SESSION_COOKIE && same(value, &session));
+        if cookie {
+            Who::Token { bearer: false }
+        } else {
+            Who::Anyone
+        }
+    }
+
+    /// Reading: open, unless the console listens beyond loopback.
+    pub(super) fn may_read(&self, headers: &HeaderMap) -> Result<Who, Refusal> {
+        let who = self.who(headers);
+        if self.inner.config.reading_needs_token && !who.may_act() {
+            return Err(Refusal::new(
+                StatusCode::UNAUTHORIZED,
+                "this console listens beyond loopback: log in with the token to read it",
+            ));
+        }
+        Ok(who)
+    }
+
+    /// Acting: from this console's own page (same origin, its form token)
+    /// or a program with the bearer token; by someone the token or the
+    /// proxy admits.
+    pub(super) fn may_act(&self, headers: &HeaderMap, fields: &Fields) -> Result<Who, Refusal> {
+        same_origin(headers)?;
+        let who = self.who(headers);
+        if !who.may_act() {
+            let why = if self.inner.config.token.is_none()
+                && self.inner.config.trusted_user_header.is_none()
+            {
+                "actions need a token, and this console has none: start it with \
+                 IDEM_CONSOLE_TOKEN set (or --console-token-file)"
+            } else {
+                "actions need the token: log in first"
+            };
+            return Err(Refusal::new(StatusCode::FORBIDDEN, why));
+        }
+        if who != (Who::Token { bearer: true }) {
+            self.form_token_checked(fields)?;
+        }
+        Ok(who)
+    }
+
+    fn form_token_checked(&self, fields: &Fields) -> Result<(), Refusal> {
+        let offered = fields.one("form_token").unwrap_or_default();
+        if self.inner.forms.admits(offered) {
+            Ok(())
+        } else {
+            Err(Refusal::new(
+                StatusCode::FORBIDDEN,
+                "this form is not one of this console's pages (or the console restarted since it \
+                 was shown): open the page again",
+            ))
+        }
+    }
+
+    /// The token a form of this process carries.
+    pub(super) fn form_token(&self) -> String {
+        self.inner.forms.token()
+    }
+}
+
+/// The cookies of a request, name and value.
+fn cookies(headers: &HeaderMap) -> impl Iterator<Item = (&str, &str)> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+}
+
+/// A POST from another site's page is refused: the browser says where it
+/// comes from (`Origin`, `Sec-Fetch-Site`), and it must be this host.
+fn same_origin(headers: &HeaderMap) -> Result<(), Refusal> {
+    let site = headers.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+    if let Some(site) = site
+        && site != "same-origin"
+        && site != "none"
+    {
+        return Err(Refusal::new(
+            StatusCode::FORBIDDEN,
+            "a request from another site's page is refused",
+        ));
+    }
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        let own = host.is_some_and(|host| {
+            origin.to_str().is_ok_and(|origin| {
+                origin == format!("http://{host}") || origin == format!("https://{host}")
+            })
+        });
+        if !own {
+            return Err(Refusal::new(
+                StatusCode::FORBIDDEN,
+                "a request from another origin is refused",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A request refused, and why; answered as a page.
+#[derive(Debug)]
+pub(super) struct Refusal {
+    status: StatusCode,
+    why: &'static str,
+}
+
+impl Refusal {
+    const fn new(status: StatusCode, why: &'static str) -> Self {
+        Self { status, why }
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        refused(self.status, self.why)
+    }
+}
+
+/// A refusal, as a page.
+pub(super) fn refused(status: StatusCode, why: &str) -> Response {
+    let page = view::layout(
+        "Refused",
+        None,
+        html! {
+            h1 { "Refused" }
+            p.refused { (why) }
+            p { a href="/login" { "Log in" } " · " a href="/" { "Overview" } }
+        },
+    );
+    (status, page).into_response()
+}
+
+/// `GET /login`: the token, entered once.
+pub(super) async fn login_page<H: Handler>(
+    State(console): State<Console<H>>,
+    headers: HeaderMap,
+) -> Response {
+    let who = console.who(&headers);
+    let token_set = console.inner.config.token.is_some();
+    view::layout(
+        "Log in",
+        Some(&who),
+        html! {
+            h1 { "Log in" }
+            @if !token_set {
+                p.refused { "This console has no token: actions are refused until it is started with IDEM_CONSOLE_TOKEN set (or --console-token-file)." }
+            } @else if who.may_act() {
+                p { "You may act: " (who.audited()) "." }
+            }
+            form method="post" action="/login" {
+                input type="hidden" name="form_token" value=(console.form_token());
+                label for="token" { "Token" }
+                input #token type="password" name="token" autocomplete="off" required;
+                button type="submit" { "Log in" }
+            }
+        },
+    )
+    .into_response()
+}
+
+/// `POST /login`: sets the session cookie when the token is right.
+pub(super) async fn login<H: Handler>(
+    State(console): State<Console<H>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let fields = Fields::parse(&body);
+    if let Err(refusal) = same_origin(&headers).and_then(|()| console.form_token_checked(&fields)) {
+        return refusal.into_response();
+    }
+    let Some(token) = &console.inner.config.token else {
+        return refused(StatusCode::FORBIDDEN, "this console has no token");
+    };
+    if !token.admits(fields.one("token").unwrap_or_default().trim()) {
+        return refused(StatusCode::FORBIDDEN, "that is not the token");
+    }
+    let cookie = format!(
+        "{SESSION_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
+        token.session()
+    );
+    ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
+}
+
+/// `POST /logout`: forgets the session.
+pub(super) async fn logout<H: Handler>(
+    State(console): State<Console<H>>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let fields = Fields::parse(&body);
+    if let Err(refusal) = same_origin(&headers).and_then(|()| console.form_token_checked(&fields)) {
+        return refusal.into_response();
+    }
+    let cookie = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
+    ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
+}

@@ -1,0 +1,266 @@
+//! The console: the dead letters and the service's state in a browser,
+//! served by the service's own binary from the PostgreSQL it already uses.
+//!
+//! Pages are rendered on the server (templates compiled in, every value
+//! escaped) and need no script; the pages forbid scripts outright
+//! (`Content-Security-Policy`), so a body or an error holding HTML is shown
+//! as text and never runs. Every count comes from the dead-letter index and
+//! its tallies, never from browsing the queue. Replays and discards run as
+//! `dlq replay` and `dlq discard` run (a copy is acked only once its replay
+//! is confirmed or its line synced to the discard file), in the console's
+//! process, whatever becomes of the page that started them; each is
+//! recorded in `idem_console_audit`.
+//!
+//! Reading needs no token where the console listens on a loopback address;
+//! acting always does: the token of `IDEM_CONSOLE_TOKEN` (as `Authorization:
+//! Bearer …`, or entered once in the page, which keeps a session cookie), or
+//! the user a trusted reverse proxy names in a header. Forms carry a token
+//! of the process's own, and a POST from another origin is refused.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::{HeaderValue, header};
+use axum::routing::{get, post};
+use deadpool_postgres::Pool;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::broker::{AmqpConfig, Topology};
+use crate::handler::Handler;
+use crate::progress::Progress;
+use crate::store::{DatabaseConfig, ReadyError, Store};
+
+mod access;
+mod actions;
+mod pages;
+mod view;
+
+pub use access::Token;
+
+/// The address the console listens on unless told otherwise.
+pub const DEFAULT_ADDR: &str = "127.0.0.1:9480";
+
+/// What the console shows and may act on.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ConsoleConfig {
+    /// The broker: the queues' depths, and the replays.
+    pub amqp: AmqpConfig,
+    /// The database: the index, the ledger, the consume records, the audit.
+    pub database: DatabaseConfig,
+    /// The consumer group's queues.
+    pub topology: Topology,
+    /// The consumer group.
+    pub consumer_group: String,
+    /// The token actions need; without one (and without a trusted proxy)
+    /// nothing can be done, only seen.
+    pub token: Option<Token>,
+    /// A header in which a reverse proxy in front of the console names the
+    /// user it authenticated: trusted as that user. Only for a console a
+    /// stranger cannot reach but through the proxy.
+    pub trusted_user_header: Option<String>,
+    /// Shows of each letter's body only its size and SHA-256, and of its
+    /// headers only their names (bodies and headers can hold personal
+    /// data).
+    pub hide_bodies: bool,
+    /// Where discards write their letters before they are acked.
+    pub discard_dir: PathBuf,
+    /// How long to wait for the servers.
+    pub patience: Duration,
+    /// Reading needs a token too: the console listens beyond loopback.
+    pub reading_needs_token: bool,
+}
+
+impl ConsoleConfig {
+    /// The console of `consumer_group`, working from `topology`'s queues:
+    /// no token, bodies shown, discards into `./discarded`, reading open
+    /// (as on a loopback address).
+    pub fn new(
+        amqp: AmqpConfig,
+        database: DatabaseConfig,
+        topology: Topology,
+        consumer_group: impl Into<String>,
+        patience: Duration,
+    ) -> Self {
+        Self {
+            amqp,
+            database,
+            topology,
+            consumer_group: consumer_group.into(),
+            token: None,
+            trusted_user_header: None,
+            hide_bodies: false,
+            discard_dir: PathBuf::from("discarded"),
+            patience,
+            reading_needs_token: false,
+        }
+    }
+}
+
+/// Why the console could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConsoleError {
+    /// The database's settings.
+    #[error(transparent)]
+    Config(#[from] crate::store::ConfigError),
+    /// The database is not ready (or not migrated).
+    #[error(transparent)]
+    Ready(#[from] ReadyError),
+    /// The address could not be listened on.
+    #[error("cannot listen on {addr}: {error}")]
+    Listen {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// No randomness for the form tokens.
+    #[error("no randomness for the console's form tokens: {0}")]
+    Random(String),
+}
+
+/// The console's state, shared by its pages.
+pub struct Console<H> {
+    inner: Arc<Inner<H>>,
+}
+
+impl<H> Clone for Console<H> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<H> std::fmt::Debug for Console<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Console")
+            .field("consumer_group", &self.inner.config.consumer_group)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner<H> {
+    config: ConsoleConfig,
+    handler: Arc<H>,
+    store: Store,
+    forms: access::FormKey,
+    broker: tokio::sync::Mutex<Option<lapin::Connection>>,
+    /// Actions this process runs, by audit number.
+    running: Mutex<HashMap<i64, Progress>>,
+    /// Their tasks, awaited before the console stops.
+    tasks: TaskTracker,
+    shutdown: CancellationToken,
+}
+
+impl<H: Handler> Console<H> {
+    /// The console over `config`'s database (waiting for it, and for its
+    /// migrations, at most the patience); actions stop at `shutdown`.
+    pub async fn new(
+        config: ConsoleConfig,
+        handler: Arc<H>,
+        shutdown: CancellationToken,
+    ) -> Result<Self, ConsoleError> {
+        let pool: Pool = config.database.pool()?;
+        let store = Store::new(pool, config.consumer_group.clone());
+        store
+            .wait_until_ready::<H>(&config.database.describe(), config.patience, &shutdown)
+            .await?;
+        let forms = access::FormKey::random().map_err(ConsoleError::Random)?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                handler,
+                store,
+                forms,
+                broker: tokio::sync::Mutex::new(None),
+                running: Mutex::new(HashMap::new()),
+                tasks: TaskTracker::new(),
+                shutdown,
+            }),
+        })
+    }
+
+    /// The console's pages, to serve on their own or beside other routes.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/", get(pages::overview::<H>))
+            .route("/groups", get(pages::groups::<H>))
+            .route("/groups/{id}", get(pages::group::<H>))
+            .route("/letter", get(pages::letter::<H>))
+            .route("/audit", get(pages::audit::<H>))
+            .route("/actions/{id}", get(actions::progress::<H>))
+            .route("/actions/preview", post(actions::preview::<H>))
+            .route("/actions", post(actions::start::<H>))
+            .route(
+                "/login",
+                get(access::login_page::<H>).post(access::login::<H>),
+            )
+            .route("/logout", post(access::logout::<H>))
+            .route("/console.css", get(view::stylesheet))
+            .fallback(view::not_found)
+            .layer(axum::middleware::map_response(secure_headers))
+            .with_state(self.clone())
+    }
+
+    /// Serves the console on `addr` until `shutdown`.
+    pub async fn serve(self, addr: SocketAddr) -> Result<(), ConsoleError> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|error| ConsoleError::Listen { addr, error })?;
+        self.serve_on(listener).await;
+        Ok(())
+    }
+
+    /// Serves the console on `listener` until `shutdown`; then waits for
+    /// the actions under way to end.
+    pub async fn serve_on(self, listener: tokio::net::TcpListener) {
+        if let Ok(bound) = listener.local_addr() {
+            info!(addr = %bound, "the console is at http://{bound}/");
+        }
+        let shutdown = self.inner.shutdown.clone();
+        let served = axum::serve(listener, self.router())
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(error) = served {
+            warn!(%error, "the console stopped");
+        }
+        // Actions under way end as they would if the process stopped: what
+        // was confirmed is acked, the rest stays dead-lettered.
+        self.inner.tasks.close();
+        self.inner.tasks.wait().await;
+    }
+}
+
+/// Headers of every answer: no script, no frame, no sniffing, no caching,
+/// no referrer to another site.
+async fn secure_headers(mut response: axum::response::Response) -> axum::response::Response {
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'none'; style-src 'self'; img-src 'self' data:; \
+             form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    headers.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    headers.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("same-origin"),
+    );
+    headers
+        .entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-store"));
+    response
+}
