@@ -34,9 +34,10 @@ ALTER TABLE mq_dead_letter
     ADD COLUMN body_sha256 BYTEA,
     ADD COLUMN headers JSONB;
 
--- A group's letters by time: its first and last, and its pages.
+-- A group's letters by time (and key, for letters that died in one
+-- statement): its first and last, and its pages, each read from one end.
 CREATE INDEX mq_dead_letter_by_fingerprint ON mq_dead_letter
-    (consumer_group, (md5(fingerprint)::uuid), dead_at);
+    (consumer_group, (md5(fingerprint)::uuid), dead_at, letter_key);
 
 -- The letters of each group per fingerprint, kept by the trigger below in
 -- the statement that changes the index; a row whose letters are all gone
@@ -61,7 +62,7 @@ FROM mq_dead_letter GROUP BY 1, 2, 3, 4;
 -- Letters that came into the index, per group and hour of their death:
 -- dead-lettering over time. Only added to (a letter replayed or discarded
 -- still died then); a letter dying again while its row is there counts
--- once. `prune` keeps the hours of its window.
+-- once. A row per group and hour: some 9,000 a year, kept.
 CREATE TABLE mq_dead_letter_hourly (
     consumer_group VARCHAR(64) COLLATE "C" NOT NULL,
     hour           TIMESTAMPTZ NOT NULL,

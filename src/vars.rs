@@ -72,6 +72,8 @@ pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
 pub const LANES: &str = "IDEM_LANES";
 /// `worker --max-body-bytes`.
 pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
+/// `--kept-body-bytes` of `worker`.
+pub const KEPT_BODY_BYTES: &str = "IDEM_KEPT_BODY_BYTES";
 /// `worker --shutdown-timeout`.
 pub const SHUTDOWN_TIMEOUT: &str = "IDEM_SHUTDOWN_TIMEOUT";
 /// `worker --http-addr`.

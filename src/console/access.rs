@@ -297,6 +297,12 @@ pub(super) async fn login_page<H: Handler>(
                 p.refused { "This console has no token: actions are refused until it is started with IDEM_CONSOLE_TOKEN set (or --console-token-file)." }
             } @else if who.may_act() {
                 p { "You may act: " (who.audited()) "." }
+                @if who == (Who::Token { bearer: false }) {
+                    form method="post" action="/logout" {
+                        input type="hidden" name="form_token" value=(console.form_token());
+                        button.plain type="submit" { "Log out" }
+                    }
+                }
             }
             form method="post" action="/login" {
                 input type="hidden" name="form_token" value=(console.form_token());

@@ -295,11 +295,11 @@ pub(super) async fn group<H: Handler>(
     });
     let group_id = id;
     let read = async {
-        let client = console.inner.store.pool().get().await?;
+        let mut client = console.inner.store.pool().get().await?;
         let consumer_group = &console.inner.config.consumer_group;
         let group = read::group_by_id(&client, consumer_group, group_id).await?;
         let letters = read::letters(
-            &client,
+            &mut client,
             consumer_group,
             group_id,
             &search,
@@ -309,7 +309,7 @@ pub(super) async fn group<H: Handler>(
         .await?;
         Ok::<_, crate::store::StoreError>((group, letters))
     };
-    let (group, letters) = match read.await {
+    let (group, page) = match read.await {
         Ok(read) => read,
         Err(error) => return view::unavailable("the database", &error),
     };
@@ -325,19 +325,16 @@ pub(super) async fn group<H: Handler>(
         )
             .into_response();
     };
-    let next = letters
-        .last()
-        .filter(|_| letters.len() == LETTERS_SHOWN as usize)
-        .map(|last| {
-            let micros = last
-                .dead_at
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_micros();
-            let mut pairs: Vec<(&str, String)> = search_fields(&search);
-            pairs.push(("after", format!("{micros}|{}", last.key)));
-            format!("/groups/{id}?{}", encode(&pairs))
-        });
+    let letters = &page.letters;
+    let next = page.next.as_ref().map(|(dead_at, key)| {
+        let micros = dead_at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_micros();
+        let mut pairs: Vec<(&str, String)> = search_fields(&search);
+        pairs.push(("after", format!("{micros}|{key}")));
+        format!("/groups/{id}?{}", encode(&pairs))
+    });
     let searched = search.event_id.is_some()
         || search.error.is_some()
         || search.from.is_some()
@@ -375,7 +372,10 @@ pub(super) async fn group<H: Handler>(
         form method="post" action="/actions/preview" {
             input type="hidden" name="form_token" value=(form_token);
             input type="hidden" name="group" value=(group.id);
-            (letters_table(&letters, true))
+            (letters_table(letters, true))
+            @if page.searched_out {
+                p.muted { "This page looked at " (read::SEARCHED) " letters and found these; the next page searches the older ones." }
+            }
             div.actions {
                 button type="submit" name="action" value="replay-selected" { "Replay selected…" }
                 button.danger type="submit" name="action" value="discard-selected" { "Discard selected…" }

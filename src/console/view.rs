@@ -29,7 +29,7 @@ pub(super) fn layout(title: &str, who: Option<&Who>, body: Markup) -> Html<Strin
                         a href="/audit" { "Audit" }
                         span.who {
                             @match who {
-                                Some(who) if who.may_act() => { (who.audited()) }
+                                Some(who) if who.may_act() => { a href="/login" { (who.audited()) } }
                                 _ => { a href="/login" { "Log in to act" } }
                             }
                         }
@@ -96,7 +96,8 @@ pub(super) fn field_time(at: SystemTime) -> String {
 /// Letters that came per hour over the last `hours`, as bars: drawn here,
 /// an SVG in the page (no script, no image to fetch).
 pub(super) fn chart(hourly: &[(SystemTime, i64)], now: SystemTime, hours: u64) -> Markup {
-    let (width, height, bar) = (hours as f64 * 12.0, 80.0, 10.0);
+    // A bar per hour, the current one last.
+    let (width, height, bar) = ((hours + 1) as f64 * 12.0, 80.0, 10.0);
     let start = now - Duration::from_secs(hours * 3600);
     let start_hour = start
         .duration_since(UNIX_EPOCH)

@@ -400,11 +400,13 @@ pub struct IndexSummary {
     pub invalid: i64,
 }
 
-/// The filter of a summary, over the index's rows (`letter`).
+/// The filter of a summary, over the index's rows (`letter`); an event's
+/// row found by its key (`event_key`), however many rows the group has.
 const MATCHING_ROWS: &str = "\
     letter.consumer_group = $1 \
     AND ($2::varchar IS NULL OR letter.reason = $2) \
     AND ($3::varchar IS NULL OR letter.event_id = $3) \
+    AND ($3::varchar IS NULL OR letter.letter_key = 'event ' || $3) \
     AND ($4::text IS NULL OR strpos(coalesce(letter.last_error, ''), $4) > 0) \
     AND ($5::float8 IS NULL OR letter.dead_at < now() - make_interval(secs => $5)) \
     AND ($6::float8 IS NULL OR letter.dead_at >= now() - make_interval(secs => $6)) \
@@ -413,15 +415,16 @@ const MATCHING_ROWS: &str = "\
     AND (cardinality($9::varchar[]) = 0 OR letter.letter_key = ANY($9))";
 
 /// The same filter over the tally's rows (`tally`), for a filter by
-/// reason, error or invalid body only: `$3`, `$5`, `$6` and `$8` are
-/// null, `$9` empty.
+/// reason, error, group or invalid body only: `$3`, `$5` and `$6` are
+/// null, `$9` empty. A tally row's group is its error's fingerprint.
 const MATCHING_TALLY: &str = "\
     tally.consumer_group = $1 AND tally.letters <> 0 \
     AND ($2::varchar IS NULL OR tally.reason = $2) \
     AND ($3::varchar IS NULL) AND ($5::float8 IS NULL) AND ($6::float8 IS NULL) \
     AND ($4::text IS NULL OR strpos(tally.last_error, $4) > 0) \
     AND (NOT $7 OR tally.invalid) \
-    AND ($8::uuid IS NULL) AND (cardinality($9::varchar[]) = 0)";
+    AND ($8::uuid IS NULL OR md5(mq_error_fingerprint(tally.last_error))::uuid = $8) \
+    AND (cardinality($9::varchar[]) = 0)";
 
 /// A summary's counts, from the rows that match (a filter by event id or
 /// by time).
@@ -511,7 +514,6 @@ pub(super) async fn summary(
     let by_rows = filter.event_id.is_some()
         || older_than.is_some()
         || newer_than.is_some()
-        || filter.group.is_some()
         || !filter.keys.is_empty();
     let counts = if by_rows {
         SUMMARY_OF_ROWS.replace("{MATCHING}", MATCHING_ROWS)
@@ -533,7 +535,10 @@ pub(super) async fn summary(
     }
     if summary.letters > 0 {
         // Without a filter, the group's two ends.
-        let unfiltered = filter.reason.is_none() && filter.error.is_none() && !filter.invalid;
+        let unfiltered = filter.reason.is_none()
+            && filter.error.is_none()
+            && filter.group.is_none()
+            && !filter.invalid;
         let span = if by_rows || unfiltered {
             SUMMARY_SPAN.replace("{MATCHING}", MATCHING_ROWS)
         } else {

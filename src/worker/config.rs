@@ -112,6 +112,9 @@ pub struct WorkerConfig {
     pub max_attempts: u32,
     /// Bodies above this many bytes are invalid.
     pub max_body_bytes: usize,
+    /// Most bytes of a dead letter's body the dead-letter index keeps, for
+    /// the console to show; 0: none (its size and SHA-256 only).
+    pub kept_body_bytes: usize,
     /// After a shutdown signal, how long in-flight work may take before the
     /// worker closes anyway (the broker then redelivers what was not acked).
     pub shutdown_timeout: Duration,
@@ -191,6 +194,7 @@ impl WorkerConfig {
             lanes: tuning.lanes,
             max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
+            kept_body_bytes: crate::store::dead_letters::KEPT_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
             startup_timeout: Self::DEFAULT_STARTUP_TIMEOUT,
             http_addr: None,

@@ -146,7 +146,9 @@ impl<H: Handler> Worker<H> {
         };
         let pool = self.config.database.pool()?;
         let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
-        let mut store = Store::new(pool, self.config.consumer_group.clone()).with_filters(filters);
+        let mut store = Store::new(pool, self.config.consumer_group.clone())
+            .with_filters(filters)
+            .with_kept_body_bytes(self.config.kept_body_bytes);
         if self.config.lanes > 0 {
             let pool_of = |pool_size| {
                 DatabaseConfig {

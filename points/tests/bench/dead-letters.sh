@@ -2,10 +2,7 @@
 # What `idem status`, `idem dlq summary`, `idem prune` and `idem dlq sync`
 # cost as the dead-letter queue grows: each size gets a vhost and a schema
 # of its own on the local servers, filled with that many dead letters by
-# the worker: one event in a thousand (at least one) that failed (a trigger
-# fails every transaction, --max-attempts 1), published first, and bodies
-# that are not events for the rest (the worker dead-letters those in
-# batches, where each failed event costs transactions of its own). Each
+# the worker (fill-dead-letters.sh says how). Each
 # command is timed ROUNDS times (median printed) against it; last, once, a
 # replay of the failed events (`--error`) from among all the letters,
 # checked to have moved exactly those to the work queue. Both are removed
@@ -23,6 +20,8 @@ sizes=("$@")
 rounds=${ROUNDS:-3}
 export RUST_LOG=error DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres
 psql() { PGOPTIONS="-c client_min_messages=warning" command psql -q -X -v ON_ERROR_STOP=1 "$DATABASE_URL" "$@"; }
+# shellcheck source=fill-dead-letters.sh
+. "$(dirname "$0")/fill-dead-letters.sh"
 
 vhosts=() schemas=()
 clean() {
@@ -61,29 +60,7 @@ for size in "${sizes[@]}"; do
   vhosts+=("$vhost") schemas+=("$IDEM_SCHEMA")
   rabbitmqctl -q add_vhost "$vhost"
   rabbitmqctl -q set_permissions -p "$vhost" guest '.*' '.*' '.*'
-  "$binary" migrate >/dev/null
-  psql <<SQL
-CREATE FUNCTION $IDEM_SCHEMA.fail() RETURNS trigger LANGUAGE plpgsql
-  AS \$\$BEGIN RAISE EXCEPTION 'failing on purpose for the dead-letter bench, order %', NEW.order_id; END\$\$;
-CREATE TRIGGER fail BEFORE INSERT OR UPDATE ON $IDEM_SCHEMA.user_points
-  FOR EACH ROW EXECUTE FUNCTION $IDEM_SCHEMA.fail();
-SQL
-  # The worker declares the topology, then dead-letters every event.
-  "$binary" worker --max-attempts 1 &
-  worker=$!
-  until [ -n "$(dead_letters)" ]; do kill -0 "$worker"; sleep 1; done
-  filled=$(date +%s)
-  failing=$(((size + 999) / 1000))
-  "$binary" publish --count "$failing" --duplicate-ratio 0 --orders 1000 --seed 1 >/dev/null
-  seq -f 'not an event %.0f' 1 "$((size - failing))" |
-    "$binary" publish --file - --allow-invalid --window 1024 >/dev/null
-  until [ "$(dead_letters)" = "$size" ]; do
-    kill -0 "$worker" || { echo "the worker died" >&2; exit 1; }
-    sleep 1
-  done
-  kill -TERM "$worker"
-  wait "$worker"
-  echo "$size dead letters made in $(($(date +%s) - filled)) s" >&2
+  fill_dead_letters "$binary" "$size"
 
   status=$(timed "dead letters       rejected $size (by the index" status)
   summary=$(timed "$size of $size dead-lettered message(s)" dlq summary)

@@ -25,7 +25,10 @@ use idem::console::{Console, ConsoleConfig, Token};
 use idem::worker::Mode;
 use idem_points::points::{PaymentSucceeded, Points};
 
-use crate::support::{GROUP, RunningWorker, TestEnv, free_port, patient, wait_for};
+use crate::support::{
+    GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, database_url, free_port, http_get,
+    idem_command, patient, wait_for,
+};
 
 const TOKEN: &str = "a-console-token-for-the-tests";
 
@@ -137,6 +140,31 @@ impl Browser {
         Ok(self.client.find(Locator::Css(css)).await?.text().await?)
     }
 
+    /// The text of `css` once it holds `expected`: a click that submits a
+    /// form returns before the next page is there, and an element read as
+    /// a page goes is gone (and read again).
+    async fn text_holding(&self, css: &str, expected: &str) -> anyhow::Result<String> {
+        let last = std::sync::Mutex::new(String::new());
+        let found = wait_for(
+            &format!("{expected:?} on the page"),
+            Duration::from_secs(10),
+            || async {
+                let Ok(text) = self.text(css).await else {
+                    return Ok(false);
+                };
+                let holds = text.contains(expected);
+                if let Ok(mut last) = last.lock() {
+                    *last = text;
+                }
+                Ok(holds)
+            },
+        )
+        .await;
+        let last = last.into_inner().unwrap_or_default();
+        found.with_context(|| format!("the page says: {last}"))?;
+        Ok(last)
+    }
+
     /// Keeps the page as `name.png` under `IDEM_SCREENSHOTS`, when set.
     async fn keep(&self, name: &str) -> anyhow::Result<()> {
         if let Ok(dir) = std::env::var("IDEM_SCREENSHOTS") {
@@ -212,7 +240,7 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await
         .context("the poisoned order's group is listed")?;
     group_link.click().await?;
-    let group = browser.text("main").await?;
+    let group = browser.text_holding("main", "Replay the group").await?;
     for event in &events {
         ensure!(group.contains(&event.event_id), "{group}");
     }
@@ -223,7 +251,7 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await?
         .click()
         .await?;
-    let letter = browser.text("main").await?;
+    let letter = browser.text_holding("main", "a replay now").await?;
     ensure!(
         browser
             .text("pre.body")
@@ -243,8 +271,9 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await?
         .click()
         .await?;
-    let refused = browser.text("main").await?;
-    ensure!(refused.contains("actions need the token"), "{refused}");
+    browser
+        .text_holding("main", "actions need the token")
+        .await?;
     ensure!(env.count_rows("idem_console_audit").await? == 0);
 
     // Logged in, and the cause fixed: the group is replayed, once.
@@ -257,13 +286,9 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await?
         .click()
         .await?;
-    wait_for("the login to take", Duration::from_secs(10), || async {
-        Ok(browser
-            .text("nav")
-            .await
-            .is_ok_and(|text| text.contains("the token's holder (session)")))
-    })
-    .await?;
+    browser
+        .text_holding("nav", "the token's holder (session)")
+        .await?;
     env.sql("DROP TRIGGER poison ON user_points").await?;
     page.goto(&console.url("/groups")).await?;
     page.find(Locator::XPath(
@@ -276,25 +301,16 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await?
         .click()
         .await?;
-    let dry_run = browser.text("main").await?;
-    ensure!(
-        dry_run.contains("events a replay would apply 3"),
-        "{dry_run}"
-    );
+    browser
+        .text_holding("main", "events a replay would apply 3")
+        .await?;
     browser.keep("console-dry-run").await?;
     page.find(Locator::Css("form[action='/actions'] button"))
         .await?
         .click()
         .await?;
-    // The page reloads itself while the action runs: an element read as
-    // it reloads is gone, and read again.
-    wait_for("the replay to end", Duration::from_secs(30), || async {
-        Ok(browser
-            .text("main")
-            .await
-            .is_ok_and(|text| text.contains("replayed 3")))
-    })
-    .await?;
+    // The page reloads itself while the action runs.
+    browser.text_holding("main", "replayed 3").await?;
     browser.keep("console-action").await?;
     wait_for(
         "the replayed events' points",
@@ -486,5 +502,51 @@ async fn a_stranger_is_refused_what_the_token_allows() -> anyhow::Result<()> {
             .contains("order poison-order is poisoned")
     );
     console.stop().await?;
+    Ok(())
+}
+
+/// `worker --console` serves the pages beside `/metrics`, from the worker's
+/// own process and settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_serves_the_console_beside_its_metrics() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    idem::store::migrate::run::<Points>(&env.pool, Some(&env.schema)).await?;
+    let port = free_port()?;
+    let mut command = idem_command(&env, &amqp_url(), &database_url());
+    command.env(idem::vars::CONSOLE_TOKEN, TOKEN).args([
+        "worker",
+        "--http-addr",
+        &format!("127.0.0.1:{port}"),
+        "--console",
+    ]);
+    let worker = WorkerProcess::start(command)?;
+    wait_for(
+        "the worker's endpoints",
+        Duration::from_secs(30),
+        || async {
+            Ok(http_get(port, "/healthz")
+                .await
+                .is_ok_and(|(status, _)| status == 200))
+        },
+    )
+    .await?;
+    env.publish_bodies(&[b"not an event".to_vec()]).await?;
+    wait_for(
+        "the dead letter in the console",
+        Duration::from_secs(30),
+        || async {
+            let (status, page) = http_get(port, "/groups").await?;
+            Ok(status == 200 && page.contains("not a JSON object"))
+        },
+    )
+    .await?;
+    let (status, overview) = http_get(port, "/").await?;
+    ensure!(
+        status == 200 && overview.contains(&env.topology.dead_letter_queue),
+        "{overview}"
+    );
+    let (status, metrics) = http_get(port, "/metrics").await?;
+    ensure!(status == 200 && metrics.contains("deliveries"), "{metrics}");
+    worker.stop().await?;
     Ok(())
 }

@@ -52,6 +52,10 @@ pub(crate) struct WorkerArgs<F: Args> {
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
     #[arg(long, env = vars::MAX_BODY_BYTES, default_value_t = WorkerConfig::DEFAULT_MAX_BODY_BYTES)]
     pub(crate) max_body_bytes: usize,
+    /// Most bytes of a dead letter's body the dead-letter index keeps, for
+    /// the console to show (0: only its size and SHA-256).
+    #[arg(long, env = vars::KEPT_BODY_BYTES, default_value_t = crate::store::dead_letters::KEPT_BODY_BYTES)]
+    pub(crate) kept_body_bytes: usize,
     /// After SIGINT/SIGTERM, how long in-flight work may take before the worker closes anyway.
     #[arg(
         long,
@@ -322,6 +326,7 @@ impl<F: Args> WorkerArgs<F> {
             lanes: self.lanes.map_or(defaults.lanes, |n| n as usize),
             max_attempts: self.max_attempts,
             max_body_bytes: self.max_body_bytes,
+            kept_body_bytes: self.kept_body_bytes,
             shutdown_timeout: self.shutdown_timeout.0,
             startup_timeout: self.wait.startup_timeout.0,
             http_addr: self.http_addr,
