@@ -98,7 +98,11 @@ impl Browser {
         let child = match child {
             Ok(child) => child,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                eprintln!(
+                // Past the test harness's capture, which would keep it
+                // from a passing test's output.
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
                     "skipped: no {driver} on this machine (apt-get install chromium chromium-driver, \
                      or set IDEM_TEST_CHROMEDRIVER): the console's browser tests did not run"
                 );
@@ -485,6 +489,23 @@ async fn a_stranger_is_refused_what_the_token_allows() -> anyhow::Result<()> {
         env.count_rows("idem_console_audit").await? == 0,
         "nothing was done"
     );
+    console.stop().await?;
+
+    // With bodies hidden, a letter shows its body's size and digest only.
+    let console = RunningConsole::start(&env, |config| config.hide_bodies = true).await?;
+    let key = format!("event {}", poisoned(&env, 0).event_id);
+    let letter = http
+        .get(console.url(&format!("/letter?key={}", key.replace(' ', "+"))))
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        letter.contains("Bodies are hidden on this console"),
+        "{letter}"
+    );
+    ensure!(letter.contains("SHA-256"), "{letter}");
+    ensure!(!letter.contains("orderId"), "the body is hidden: {letter}");
     console.stop().await?;
 
     // Beyond loopback, reading needs the token too.
