@@ -287,6 +287,15 @@ pub(crate) struct BenchArgs {
     /// relay in the worker), counted done once every message is sent too.
     #[arg(long)]
     pub(crate) outbox: bool,
+    /// The batched peer: deliveries per transaction.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) peer_batch_size: usize,
+    /// The batched peer: batches in flight [default: --batch-in-flight].
+    #[arg(long)]
+    pub(crate) peer_in_flight: Option<usize>,
+    /// The batched peer: its prefetch [default: --prefetch].
+    #[arg(long)]
+    pub(crate) peer_prefetch: Option<u16>,
     /// Leave out the consumers a team would write instead, which run by
     /// default beside per-message mode (the textbook transaction per
     /// message) and batch mode (a transaction per 100 deliveries or 5 ms).
@@ -491,6 +500,11 @@ impl BenchArgs {
             pgbench: self.pgbench,
             outbox: self.outbox,
             contenders: !self.no_contenders,
+            peer: bench::BatchedPeer {
+                batch_size: self.peer_batch_size.max(1),
+                in_flight: self.peer_in_flight.unwrap_or(self.batch_in_flight).max(1),
+                prefetch: self.peer_prefetch.unwrap_or(self.prefetch),
+            },
             modes: self.modes.clone(),
             worker_binary,
             baseline_binary: self.baseline.clone(),

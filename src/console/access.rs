@@ -109,6 +109,11 @@ impl Who {
         !matches!(self, Who::Anyone)
     }
 
+    /// Who may act, as the pages name them; `None` for nobody.
+    pub(super) fn acting(&self) -> Option<String> {
+        self.may_act().then(|| self.audited())
+    }
+
     /// As the audit records it.
     pub(super) fn audited(&self) -> String {
         match self {
@@ -290,7 +295,7 @@ pub(super) async fn login_page<H: Handler>(
     let token_set = console.inner.config.token.is_some();
     view::layout(
         "Log in",
-        Some(&who),
+        who.acting().as_deref(),
         html! {
             h1 { "Log in" }
             @if !token_set {

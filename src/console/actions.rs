@@ -236,7 +236,7 @@ pub(super) async fn preview<H: Handler>(
             }
         }
     };
-    layout("Dry run", Some(&who), body).into_response()
+    layout("Dry run", who.acting().as_deref(), body).into_response()
 }
 
 /// `POST /actions`: starts a confirmed action; its page follows it.
@@ -428,5 +428,5 @@ pub(super) async fn progress<H: Handler>(
         }
         p { a href="/audit" { "Audit" } " · " a href="/groups" { "Failure groups" } }
     };
-    layout("Action", Some(&who), body).into_response()
+    layout("Action", who.acting().as_deref(), body).into_response()
 }

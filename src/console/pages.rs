@@ -106,7 +106,7 @@ pub(super) async fn overview<H: Handler>(
         (view::chart(&hourly, now, CHART_HOURS))
         p { a href="/groups" { "See the failure groups →" } }
     };
-    layout("Overview", Some(&who), body).into_response()
+    layout("Overview", who.acting().as_deref(), body).into_response()
 }
 
 impl<H: Handler> Console<H> {
@@ -211,7 +211,7 @@ pub(super) async fn groups<H: Handler>(
             }
         }
     };
-    layout("Failure groups", Some(&who), body).into_response()
+    layout("Failure groups", who.acting().as_deref(), body).into_response()
 }
 
 fn fingerprint(group: &Group) -> &str {
@@ -321,7 +321,7 @@ pub(super) async fn group<H: Handler>(
         };
         return (
             StatusCode::NOT_FOUND,
-            layout("No such group", Some(&who), body),
+            layout("No such group", who.acting().as_deref(), body),
         )
             .into_response();
     };
@@ -383,7 +383,7 @@ pub(super) async fn group<H: Handler>(
             }
         }
     };
-    layout("Failure group", Some(&who), body).into_response()
+    layout("Failure group", who.acting().as_deref(), body).into_response()
 }
 
 /// Query-string pairs, encoded.
@@ -460,7 +460,7 @@ pub(super) async fn letter<H: Handler>(
             };
             return (
                 StatusCode::NOT_FOUND,
-                layout("No such letter", Some(&who), body),
+                layout("No such letter", who.acting().as_deref(), body),
             )
                 .into_response();
         }
@@ -548,7 +548,7 @@ pub(super) async fn letter<H: Handler>(
             }
         }
     };
-    layout("Letter", Some(&who), body).into_response()
+    layout("Letter", who.acting().as_deref(), body).into_response()
 }
 
 /// A body as text: pretty-printed JSON where it is JSON, the text (bytes
@@ -615,5 +615,5 @@ pub(super) async fn audit<H: Handler>(
             }
         }
     };
-    layout("Audit", Some(&who), body).into_response()
+    layout("Audit", who.acting().as_deref(), body).into_response()
 }

@@ -7,10 +7,9 @@ use axum::http::{StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
 use maud::{DOCTYPE, Markup, html};
 
-use super::access::Who;
-
-/// A page: the frame around `body`.
-pub(super) fn layout(title: &str, who: Option<&Who>, body: Markup) -> Html<String> {
+/// A page: the frame around `body`; `acting` names who may act, when
+/// someone may.
+pub(super) fn layout(title: &str, acting: Option<&str>, body: Markup) -> Html<String> {
     let page = html! {
         (DOCTYPE)
         html lang="en" {
@@ -28,9 +27,9 @@ pub(super) fn layout(title: &str, who: Option<&Who>, body: Markup) -> Html<Strin
                         a href="/groups" { "Failure groups" }
                         a href="/audit" { "Audit" }
                         span.who {
-                            @match who {
-                                Some(who) if who.may_act() => { a href="/login" { (who.audited()) } }
-                                _ => { a href="/login" { "Log in to act" } }
+                            @match acting {
+                                Some(who) => { a href="/login" { (who) } }
+                                None => { a href="/login" { "Log in to act" } }
                             }
                         }
                     }

@@ -94,6 +94,8 @@ pub struct BenchConfig {
     /// per-message mode, a batched consumer beside batch mode (with its 100
     /// per batch or 5 ms, as many batches in flight as batch mode).
     pub contenders: bool,
+    /// The batched contender's settings.
+    pub peer: BatchedPeer,
     /// The idem binary to run as the worker.
     pub worker_binary: PathBuf,
     /// Another build of idem to measure beside it, in the same rounds.
@@ -369,4 +371,16 @@ mod tests {
         assert_eq!(prefill_layout(7, None, 0), vec![7]);
         assert_eq!(prefill_layout(7, Some(3), 4_000_000), vec![3, 2, 2]);
     }
+}
+
+/// The batched contender's settings, swept to find its best
+/// (`--peer-batch-size`, `--peer-in-flight`, `--peer-prefetch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchedPeer {
+    /// Deliveries per transaction (or what came within 5 ms).
+    pub batch_size: usize,
+    /// Batches in flight on its pool.
+    pub in_flight: usize,
+    /// Its consumer's prefetch.
+    pub prefetch: u16,
 }

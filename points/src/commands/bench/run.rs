@@ -471,26 +471,31 @@ impl<'a> Bench<'a> {
 
     /// A contender with the settings of the mode it stands beside.
     pub(super) fn contender_args(&self, contender: Contender) -> Vec<String> {
+        let peer = &self.config.peer;
+        let prefetch = match contender {
+            Contender::Textbook => self.config.prefetch,
+            Contender::Batched => peer.prefetch,
+        };
         let mut args: Vec<String> = vec![
             "contender".into(),
             contender.as_arg().into(),
             "--prefetch".into(),
-            self.config.prefetch.to_string(),
+            prefetch.to_string(),
         ];
         match contender {
             Contender::Textbook => args.extend([
                 "--in-flight".into(),
                 self.config.per_message_in_flight.to_string(),
             ]),
-            // Its own batches (100 deliveries or 5 ms), as many in flight
-            // as idem's batch mode keeps.
+            // Its own batches (by default 100 deliveries or 5 ms, as many
+            // in flight as idem's batch mode keeps).
             Contender::Batched => args.extend([
                 "--batch-size".into(),
-                "100".into(),
+                peer.batch_size.to_string(),
                 "--batch-wait".into(),
                 "5ms".into(),
                 "--in-flight".into(),
-                self.config.batch_in_flight.to_string(),
+                peer.in_flight.to_string(),
             ]),
         }
         args
