@@ -24,7 +24,7 @@ impl Bench<'_> {
         let bodies: Vec<Vec<u8>> = load.iter().map(PaymentSucceeded::to_body).collect();
         let mut report = BenchReport {
             settings: format!(
-                "{} messages ({:.0}% duplicates, {} orders, {} event ids), {} consume records before each worker run, quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight",
+                "{} messages ({:.0}% duplicates, {} orders, {} event ids), {} consume records before each worker run, quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight; the batched peer: {} per batch or 5ms, {} in flight, prefetch {}",
                 config.messages,
                 config.duplicate_ratio * 100.0,
                 config.orders,
@@ -43,7 +43,10 @@ impl Bench<'_> {
                 config.batch_size,
                 config.batch_wait,
                 config.batch_in_flight,
-                config.per_message_in_flight
+                config.per_message_in_flight,
+                config.peer.batch_size,
+                config.peer.in_flight,
+                config.peer.prefetch
             ),
             ..BenchReport::default()
         };
