@@ -91,8 +91,8 @@ pub struct BenchConfig {
     pub modes: Vec<Mode>,
     /// Beside each mode, on the same load, the consumer a team would write
     /// instead ([`contender`]): the textbook transaction per message beside
-    /// per-message mode, a batched consumer beside batch mode (with its 100
-    /// per batch or 5 ms, as many batches in flight as batch mode).
+    /// per-message mode, a batched consumer beside batch mode (with the
+    /// settings of [`BatchedPeer`]).
     pub contenders: bool,
     /// The batched contender's settings.
     pub peer: BatchedPeer,
