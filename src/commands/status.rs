@@ -12,7 +12,7 @@ use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{DatabaseConfig, IndexTotals, ReadyError, Store};
+use crate::store::{DatabaseConfig, IndexTotals, ReadyError, Store, StoreError};
 
 /// How many failure ledger rows a status looks at, at most: every dead
 /// letter has one, and a status should cost the same with a million as
@@ -111,25 +111,11 @@ async fn look<H: Handler>(
         Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
         ready => ready?,
     }
-    let records = store.records().await?;
-    let epochs = retention::summary(&*store.pool().get().await?).await?;
-    let failing = store.failing(LEDGER_LOOK).await?;
+    let tables = tables(&store).await?;
     let connection =
         connect_with_retry(&config.amqp, "idem status", config.patience, shutdown).await?;
-    let mut queues = Vec::new();
-    for name in config.topology.queues() {
-        // A passive declare of a missing queue closes its channel: one each.
-        let channel = connection.create_channel().await?;
-        let counts = queue_counts(&channel, &name).await.ok();
-        if counts.is_some() {
-            close_channel(&channel).await;
-        }
-        queues.push(QueueState { name, counts });
-    }
+    let queues = queue_states(&connection, &config.topology).await?;
     close(&connection).await;
-    // The index, not the queue: a status costs the same with a million
-    // dead letters as with ten.
-    let index = store.dead_letter_totals().await?;
     let in_queue = queues
         .iter()
         .find(|queue| queue.name == config.topology.dead_letter_queue)
@@ -138,12 +124,56 @@ async fn look<H: Handler>(
     Ok(Status {
         consumer_group: config.consumer_group.clone(),
         queues,
-        records,
-        epochs,
-        failing,
-        index,
+        records: tables.records,
+        epochs: tables.epochs,
+        failing: tables.failing,
+        index: tables.index,
         in_queue,
     })
+}
+
+/// What a status reads of the group's tables.
+#[derive(Debug)]
+pub(crate) struct Tables {
+    /// [`Status::records`].
+    pub(crate) records: (i64, Option<SystemTime>),
+    /// [`Status::epochs`].
+    pub(crate) epochs: EpochSummary,
+    /// [`Status::failing`].
+    pub(crate) failing: (i64, bool),
+    /// [`Status::index`].
+    pub(crate) index: IndexTotals,
+}
+
+/// The group's records, epochs, failing events and dead-letter index: the
+/// index, not the queue, so that it costs the same with a million dead
+/// letters as with ten.
+pub(crate) async fn tables(store: &Store) -> Result<Tables, StoreError> {
+    Ok(Tables {
+        records: store.records().await?,
+        epochs: retention::summary(&*store.pool().get().await?).await?,
+        failing: store.failing(LEDGER_LOOK).await?,
+        index: store.dead_letter_totals().await?,
+    })
+}
+
+/// Each queue of `topology` with its ready messages and consumers, by a
+/// passive declare (`None`: not declared).
+pub(crate) async fn queue_states(
+    connection: &lapin::Connection,
+    topology: &Topology,
+) -> lapin::Result<Vec<QueueState>> {
+    let mut queues = Vec::new();
+    for name in topology.queues() {
+        // A passive declare of a missing queue closes its channel: one each.
+        let channel = connection.create_channel().await?;
+        let counts = queue_counts(&channel, &name).await.ok();
+        if counts.is_some() {
+            close_channel(&channel).await;
+        }
+        queues.push(QueueState { name, counts });
+    }
+    Ok(queues)
 }
 
 impl fmt::Display for Status {

@@ -3,7 +3,9 @@
 //! or a user named by a trusted proxy; a POST must come from the console's
 //! own pages (same origin, the process's form token).
 
-use axum::extract::State;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use hmac::{Hmac, Mac};
@@ -125,6 +127,60 @@ impl Who {
     }
 }
 
+/// Someone the console lets read its pages.
+pub(super) struct Reader(pub(super) Who);
+
+impl<H: Handler> FromRequestParts<Console<H>> for Reader {
+    type Rejection = Refusal;
+
+    async fn from_request_parts(parts: &mut Parts, console: &Console<H>) -> Result<Self, Refusal> {
+        console.may_read(&parts.headers).map(Reader)
+    }
+}
+
+/// A form of this console's pages, sent by someone who may act (or a
+/// program's request with the bearer token).
+pub(super) struct Acting {
+    pub(super) who: Who,
+    pub(super) fields: Fields,
+}
+
+impl<H: Handler> FromRequest<Console<H>> for Acting {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, console: &Console<H>) -> Result<Self, Response> {
+        let headers = request.headers().clone();
+        let body = Bytes::from_request(request, console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let fields = Fields::parse(&body);
+        let who = console
+            .may_act(&headers, &fields)
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self { who, fields })
+    }
+}
+
+/// A form of this console's own pages (same origin, the process's form
+/// token), whoever sends it: logging in and out.
+pub(super) struct OwnForm(Fields);
+
+impl<H: Handler> FromRequest<Console<H>> for OwnForm {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, console: &Console<H>) -> Result<Self, Response> {
+        let headers = request.headers().clone();
+        let body = Bytes::from_request(request, console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let fields = Fields::parse(&body);
+        same_origin(&headers)
+            .and_then(|()| console.form_token_checked(&fields))
+            .map_err(IntoResponse::into_response)?;
+        Ok(Self(fields))
+    }
+}
+
 impl<H: Handler> Console<H> {
     /// Who the request comes from.
     pub(super) fn who(&self, headers: &HeaderMap) -> Who {
@@ -160,7 +216,7 @@ impl<H: Handler> Console<H> {
     }
 
     /// Reading: open, unless the console listens beyond loopback.
-    pub(super) fn may_read(&self, headers: &HeaderMap) -> Result<Who, Refusal> {
+    fn may_read(&self, headers: &HeaderMap) -> Result<Who, Refusal> {
         let who = self.who(headers);
         if self.inner.config.reading_needs_token && !who.may_act() {
             return Err(Refusal::new(
@@ -174,7 +230,7 @@ impl<H: Handler> Console<H> {
     /// Acting: from this console's own page (same origin, its form token)
     /// or a program with the bearer token; by someone the token or the
     /// proxy admits.
-    pub(super) fn may_act(&self, headers: &HeaderMap, fields: &Fields) -> Result<Who, Refusal> {
+    fn may_act(&self, headers: &HeaderMap, fields: &Fields) -> Result<Who, Refusal> {
         same_origin(headers)?;
         let who = self.who(headers);
         if !who.may_act() {
@@ -323,13 +379,8 @@ pub(super) async fn login_page<H: Handler>(
 /// `POST /login`: sets the session cookie when the token is right.
 pub(super) async fn login<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
+    OwnForm(fields): OwnForm,
 ) -> Response {
-    let fields = Fields::parse(&body);
-    if let Err(refusal) = same_origin(&headers).and_then(|()| console.form_token_checked(&fields)) {
-        return refusal.into_response();
-    }
     let Some(token) = &console.inner.config.token else {
         return refused(StatusCode::FORBIDDEN, "this console has no token");
     };
@@ -344,15 +395,7 @@ pub(super) async fn login<H: Handler>(
 }
 
 /// `POST /logout`: forgets the session.
-pub(super) async fn logout<H: Handler>(
-    State(console): State<Console<H>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    let fields = Fields::parse(&body);
-    if let Err(refusal) = same_origin(&headers).and_then(|()| console.form_token_checked(&fields)) {
-        return refusal.into_response();
-    }
+pub(super) async fn logout(_: OwnForm) -> Response {
     let cookie = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
 }

@@ -6,20 +6,20 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::html;
 use tracing::{info, warn};
 use uuid::Uuid;
 
 use super::Console;
-use super::access::refused;
+use super::access::{Acting, Reader, refused};
 use super::pages::{encode, search, search_fields};
 use super::view::{self, Fields, layout, maybe_time, time};
 use crate::dlq::{self, Action, DlqConfig, Filter};
 use crate::handler::Handler;
 use crate::progress::Progress;
-use crate::store::console::{self as read, Audited, Search};
+use crate::store::console::{self as read, Audited, Group, Search};
 use crate::store::{IndexFilter, IndexSummary};
 
 /// What an action does.
@@ -132,16 +132,19 @@ impl Selection {
 }
 
 impl<H: Handler> Console<H> {
+    /// Group `id`, if it has letters.
+    async fn group(&self, id: Uuid) -> Result<Option<Group>, crate::store::StoreError> {
+        let client = self.inner.store.pool().get().await?;
+        Ok(read::group_by_id(&client, &self.inner.config.consumer_group, id).await?)
+    }
+
     /// The dry run: what the index counts of the selection, and the group's
     /// fingerprint.
     async fn dry_run(
         &self,
         selection: &Selection,
     ) -> Result<Option<(IndexSummary, String)>, crate::store::StoreError> {
-        let client = self.inner.store.pool().get().await?;
-        let Some(group) =
-            read::group_by_id(&client, &self.inner.config.consumer_group, selection.group).await?
-        else {
+        let Some(group) = self.group(selection.group).await? else {
             return Ok(None);
         };
         let whole = selection.keys.is_empty()
@@ -171,14 +174,8 @@ impl<H: Handler> Console<H> {
 /// `POST /actions/preview`: what the action would take; asks to confirm.
 pub(super) async fn preview<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
+    Acting { who, fields }: Acting,
 ) -> Response {
-    let fields = Fields::parse(&body);
-    let who = match console.may_act(&headers, &fields) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let (kind, selection) = match asked(&fields) {
         Ok(asked) => asked,
         Err(why) => return refused(StatusCode::BAD_REQUEST, &why),
@@ -242,14 +239,8 @@ pub(super) async fn preview<H: Handler>(
 /// `POST /actions`: starts a confirmed action; its page follows it.
 pub(super) async fn start<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
+    Acting { who, fields }: Acting,
 ) -> Response {
-    let fields = Fields::parse(&body);
-    let who = match console.may_act(&headers, &fields) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let (kind, selection) = match asked(&fields) {
         Ok(asked) => asked,
         Err(why) => return refused(StatusCode::BAD_REQUEST, &why),
@@ -258,8 +249,9 @@ pub(super) async fn start<H: Handler>(
         .one("expected")
         .and_then(|n| n.parse().ok())
         .unwrap_or(0);
-    let fingerprint = match console.dry_run(&selection).await {
-        Ok(Some((_, fingerprint))) => fingerprint,
+    // The group's fingerprint, for the audit; the count was the dry run's.
+    let fingerprint = match console.group(selection.group).await {
+        Ok(Some(group)) => group.fingerprint,
         Ok(None) => return refused(StatusCode::NOT_FOUND, "this group has no dead letters"),
         Err(error) => return view::unavailable("the database", &error),
     };
@@ -374,13 +366,9 @@ fn outcome(report: &dlq::Report) -> (i64, String) {
 /// `GET /actions/{id}`: how far an action got, or how it ended.
 pub(super) async fn progress<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
     Path(id): Path<String>,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let Ok(id) = id.parse::<i64>() else {
         return view::not_found().await;
     };

@@ -203,7 +203,7 @@ impl<H: Handler> Console<H> {
                 "/login",
                 get(access::login_page::<H>).post(access::login::<H>),
             )
-            .route("/logout", post(access::logout::<H>))
+            .route("/logout", post(access::logout))
             .route("/console.css", get(view::stylesheet))
             .fallback(view::not_found)
             .layer(axum::middleware::map_response(secure_headers))

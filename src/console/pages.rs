@@ -4,17 +4,18 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, RawQuery, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use maud::{Markup, html};
 use uuid::Uuid;
 
 use super::Console;
+use super::access::Reader;
 use super::view::{self, Fields, layout, maybe_time, time};
-use crate::broker::{close_channel, connect_with_retry, queue_counts};
+use crate::broker::connect_with_retry;
+use crate::commands::status::{self, QueueState};
 use crate::handler::Handler;
 use crate::store::console::{self as read, Group, LetterRow, Search};
-use crate::store::retention;
 
 /// Groups on a page.
 const GROUPS_SHOWN: i64 = 50;
@@ -32,30 +33,27 @@ const BROKER_WAIT: Duration = Duration::from_secs(2);
 /// `GET /`: the consumer group at a glance.
 pub(super) async fn overview<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let store = &console.inner.store;
     let group = &console.inner.config.consumer_group;
     let read = async {
-        let client = store.pool().get().await?;
-        let records = store.records().await?;
-        let epochs = retention::summary(&client).await?;
-        let failing = store.failing(crate::commands::status::LEDGER_LOOK).await?;
-        let totals = store.dead_letter_totals().await?;
+        let tables = status::tables(store).await?;
         let now = SystemTime::now();
-        let hourly = read::hourly(
-            &client,
-            group,
-            now - Duration::from_secs(CHART_HOURS * 3600),
-        )
-        .await?;
-        Ok::<_, crate::store::StoreError>((records, epochs, failing, totals, hourly, now))
+        let since = now - Duration::from_secs(CHART_HOURS * 3600);
+        let hourly = read::hourly(&store.pool().get().await?, group, since).await?;
+        Ok::<_, crate::store::StoreError>((tables, hourly, now))
     };
-    let (records, epochs, failing, totals, hourly, now) = match read.await {
+    let (
+        status::Tables {
+            records,
+            epochs,
+            failing,
+            index: totals,
+        },
+        hourly,
+        now,
+    ) = match read.await {
         Ok(read) => read,
         Err(error) => return view::unavailable("the database", &error),
     };
@@ -74,10 +72,10 @@ pub(super) async fn overview<H: Handler>(
                 table {
                     thead { tr { th { "queue" } th.n { "ready" } th.n { "consumers" } } }
                     tbody {
-                        @for (name, counts) in queues {
+                        @for queue in queues {
                             tr {
-                                td { code { (name) } }
-                                @match counts {
+                                td { code { (queue.name) } }
+                                @match queue.counts {
                                     Some((ready, consumers)) => { td.n { (ready) } td.n { (consumers) } }
                                     None => { td.n.muted colspan="2" { "not declared" } }
                                 }
@@ -110,9 +108,9 @@ pub(super) async fn overview<H: Handler>(
 }
 
 impl<H: Handler> Console<H> {
-    /// Each queue of the topology with its ready messages and consumers
-    /// (`None`: not declared), over a connection kept between pages.
-    async fn queues(&self) -> Result<Vec<(String, Option<(u32, u32)>)>, String> {
+    /// Each queue of the topology with its ready messages and consumers,
+    /// over a connection kept between pages.
+    async fn queues(&self) -> Result<Vec<QueueState>, String> {
         let config = &self.inner.config;
         let mut broker = self.inner.broker.lock().await;
         if broker.as_ref().is_none_or(|c| !c.status().connected()) {
@@ -129,33 +127,18 @@ impl<H: Handler> Console<H> {
         let Some(connection) = broker.as_ref() else {
             return Err("not connected".to_owned());
         };
-        let mut queues = Vec::new();
-        for name in config.topology.queues() {
-            // A passive declare of a missing queue closes its channel: one each.
-            let channel = connection
-                .create_channel()
-                .await
-                .map_err(|e| e.to_string())?;
-            let counts = queue_counts(&channel, &name).await.ok();
-            if counts.is_some() {
-                close_channel(&channel).await;
-            }
-            queues.push((name, counts));
-        }
-        Ok(queues)
+        status::queue_states(connection, &config.topology)
+            .await
+            .map_err(|e| e.to_string())
     }
 }
 
 /// `GET /groups`: the failure groups, most letters first.
 pub(super) async fn groups<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let fields = Fields::query(query.as_deref());
     let page: i64 = fields
         .one("page")
@@ -272,14 +255,10 @@ pub(super) fn search_fields(search: &Search) -> Vec<(&'static str, String)> {
 /// actions on them.
 pub(super) async fn group<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let Ok(id) = Uuid::parse_str(&id) else {
         return view::not_found().await;
     };
@@ -434,13 +413,9 @@ fn verdict(invalid: bool, applied: Option<bool>) -> &'static str {
 /// `GET /letter?key=…`: one letter, whole.
 pub(super) async fn letter<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let fields = Fields::query(query.as_deref());
     let Some(key) = fields.one("key") else {
         return view::not_found().await;
@@ -563,13 +538,9 @@ fn shown_body(body: &[u8]) -> String {
 /// `GET /audit`: every action taken from the console, newest first.
 pub(super) async fn audit<H: Handler>(
     State(console): State<Console<H>>,
-    headers: HeaderMap,
+    Reader(who): Reader,
     RawQuery(query): RawQuery,
 ) -> Response {
-    let who = match console.may_read(&headers) {
-        Ok(who) => who,
-        Err(refusal) => return refusal.into_response(),
-    };
     let fields = Fields::query(query.as_deref());
     let before: Option<i64> = fields.one("before").and_then(|b| b.parse().ok());
     let read = async {

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use clap::Args;
 
 use super::{AmqpArgs, DatabaseArgs, GroupArgs, QueueArgs, SettingError, WaitArgs, socket_addr};
-use crate::broker::Topology;
 
 use crate::console::{ConsoleConfig, DEFAULT_ADDR, Token};
 use crate::vars;
@@ -96,16 +95,10 @@ pub(crate) struct ConsoleArgs {
 impl ConsoleArgs {
     /// Settings of `console`.
     pub(crate) fn config(&self) -> Result<ConsoleConfig, SettingError> {
-        let queues = &self.queues;
         let config = ConsoleConfig::new(
             self.amqp.config(),
             self.database.config(4),
-            Topology {
-                retry_delays: queues.retry_delays.0.clone(),
-                dead_letter_exchange: queues.dead_letter_exchange.clone(),
-                dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),
-                ..Topology::for_queue(&queues.queue)
-            },
+            self.queues.looked_at(),
             self.group.consumer_group()?,
             self.wait.startup_timeout.0,
         );

@@ -175,6 +175,20 @@ pub(crate) struct QueueArgs {
     pub(crate) quorum_size: u32,
 }
 
+impl QueueArgs {
+    /// The group's queues as `status` and `console` look at them: the work
+    /// queue, its wait queues and its dead-letter queue (no exchange of the
+    /// group is looked at).
+    pub(crate) fn looked_at(&self) -> Topology {
+        Topology {
+            retry_delays: self.retry_delays.0.clone(),
+            dead_letter_exchange: self.dead_letter_exchange.clone(),
+            dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
+            ..Topology::for_queue(&self.queue)
+        }
+    }
+}
+
 /// Whose consume records and failure ledger.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Topology")]

@@ -269,17 +269,10 @@ pub(crate) struct StatusArgs {
 impl StatusArgs {
     /// Settings of `status`.
     pub(crate) fn config(&self) -> Result<StatusConfig, SettingError> {
-        let queues = &self.queues;
         Ok(StatusConfig {
             amqp: self.amqp.config(),
             database: self.database.config(2),
-            topology: Topology {
-                retry_delays: queues.retry_delays.0.clone(),
-                dead_letter_exchange: queues.dead_letter_exchange.clone(),
-                dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),
-                // No exchange of the group is looked at.
-                ..Topology::for_queue(&queues.queue)
-            },
+            topology: self.queues.looked_at(),
             consumer_group: self.group.consumer_group()?,
             patience: self.wait.startup_timeout.0,
         })
