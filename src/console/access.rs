@@ -149,16 +149,24 @@ impl<H: Handler> FromRequest<Console<H>> for Acting {
     type Rejection = Response;
 
     async fn from_request(request: Request, console: &Console<H>) -> Result<Self, Response> {
-        let headers = request.headers().clone();
-        let body = Bytes::from_request(request, console)
-            .await
-            .map_err(IntoResponse::into_response)?;
-        let fields = Fields::parse(&body);
+        let (headers, fields) = form(request, console).await?;
         let who = console
             .may_act(&headers, &fields)
             .map_err(IntoResponse::into_response)?;
         Ok(Self { who, fields })
     }
+}
+
+/// A request's headers and its form's fields.
+async fn form<H: Handler>(
+    request: Request,
+    console: &Console<H>,
+) -> Result<(HeaderMap, Fields), Response> {
+    let headers = request.headers().clone();
+    let body = Bytes::from_request(request, console)
+        .await
+        .map_err(IntoResponse::into_response)?;
+    Ok((headers, Fields::parse(&body)))
 }
 
 /// A form of this console's own pages (same origin, the process's form
@@ -169,11 +177,7 @@ impl<H: Handler> FromRequest<Console<H>> for OwnForm {
     type Rejection = Response;
 
     async fn from_request(request: Request, console: &Console<H>) -> Result<Self, Response> {
-        let headers = request.headers().clone();
-        let body = Bytes::from_request(request, console)
-            .await
-            .map_err(IntoResponse::into_response)?;
-        let fields = Fields::parse(&body);
+        let (headers, fields) = form(request, console).await?;
         same_origin(&headers)
             .and_then(|()| console.form_token_checked(&fields))
             .map_err(IntoResponse::into_response)?;

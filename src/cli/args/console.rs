@@ -5,9 +5,10 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use super::{AmqpArgs, DatabaseArgs, GroupArgs, QueueArgs, SettingError, WaitArgs, socket_addr};
+use super::{SettingError, StatusArgs, socket_addr};
 
 use crate::console::{ConsoleConfig, DEFAULT_ADDR, Token};
+use crate::store::DatabaseConfig;
 use crate::vars;
 
 /// What the console lets be seen and done, and by whom.
@@ -80,27 +81,25 @@ pub(crate) struct ConsoleArgs {
     pub(crate) http_addr: SocketAddr,
     #[command(flatten)]
     pub(crate) access: ConsoleAccessArgs,
+    /// The group, its queues and its servers, as `status` takes them.
     #[command(flatten)]
-    pub(crate) amqp: AmqpArgs,
-    #[command(flatten)]
-    pub(crate) database: DatabaseArgs,
-    #[command(flatten)]
-    pub(crate) queues: QueueArgs,
-    #[command(flatten)]
-    pub(crate) group: GroupArgs,
-    #[command(flatten)]
-    pub(crate) wait: WaitArgs,
+    pub(crate) target: StatusArgs,
 }
 
 impl ConsoleArgs {
     /// Settings of `console`.
     pub(crate) fn config(&self) -> Result<ConsoleConfig, SettingError> {
+        let status = self.target.config()?;
         let config = ConsoleConfig::new(
-            self.amqp.config(),
-            self.database.config(4),
-            self.queues.looked_at(),
-            self.group.consumer_group()?,
-            self.wait.startup_timeout.0,
+            status.amqp,
+            // Its pages, and an action's pass beside them.
+            DatabaseConfig {
+                pool_size: 4,
+                ..status.database
+            },
+            status.topology,
+            status.consumer_group,
+            status.patience,
         );
         self.access.applied(config, self.http_addr)
     }
