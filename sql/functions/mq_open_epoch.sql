@@ -20,6 +20,9 @@
 -- every closed epoch keyed by digest (it knows which of them may hold the
 -- event) and no epoch is keyed by text; anything else goes through
 -- mq_claim, as before.
+--
+-- A partition's one index is the digest's unique key: no primary key on
+-- `id`, which nothing reads a record by (migration 0016).
 CREATE OR REPLACE FUNCTION mq_open_epoch() RETURNS INTEGER LANGUAGE plpgsql AS $$
 DECLARE
     was       INTEGER;
@@ -36,8 +39,6 @@ BEGIN
     EXECUTE format('ALTER TABLE %I ALTER COLUMN digest SET NOT NULL', partition);
     EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I UNIQUE (digest)',
                    partition, partition || '_key');
-    EXECUTE format('ALTER TABLE %I ADD CONSTRAINT %I PRIMARY KEY (id)',
-                   partition, partition || '_pkey');
     EXECUTE format('ALTER TABLE mq_consume_record ATTACH PARTITION %I FOR VALUES IN (%s)',
                    partition, opened);
     PERFORM pg_advisory_xact_lock(lock[1], lock[2]);

@@ -43,6 +43,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(13, "0013_given_up_messages.sql"),
     migration!(14, "0014_migration_checksums.sql"),
     migration!(15, "0015_console.sql"),
+    migration!(16, "0016_records_without_id_key.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of
@@ -446,6 +447,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 15);
+        assert_eq!(latest(MIGRATIONS), 16);
     }
 }

@@ -75,6 +75,23 @@ impl Schema {
         Ok((stats.applied, stats.duplicates))
     }
 
+    /// How many partitions of the consume records have a primary key.
+    async fn record_partition_keys(&self) -> anyhow::Result<i64> {
+        Ok(self
+            .pool
+            .get()
+            .await?
+            .query_one(
+                "SELECT count(*) FROM pg_inherits \
+                 JOIN pg_constraint ON pg_constraint.conrelid = pg_inherits.inhrelid \
+                 WHERE pg_inherits.inhparent = 'mq_consume_record'::regclass \
+                   AND pg_constraint.contype = 'p'",
+                &[],
+            )
+            .await?
+            .get(0))
+    }
+
     /// The points of `order_id` in this schema.
     async fn points(&self, order_id: &str) -> anyhow::Result<i64> {
         Ok(self
@@ -156,6 +173,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0013_given_up_messages.sql",
             "0014_migration_checksums.sql",
             "0015_console.sql",
+            "0016_records_without_id_key.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -177,6 +195,12 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
     };
     assert_eq!(old.work_through(&env, &[first, second]).await?, (1, 1));
     assert_eq!(old.points("order-1").await?, 105);
+
+    // No partition of the records keeps a key on `id` (0016), nor does one
+    // opened since.
+    assert_eq!(old.record_partition_keys().await?, 0);
+    old.sql("SELECT mq_open_epoch()").await?;
+    assert_eq!(old.record_partition_keys().await?, 0);
     Ok(())
 }
 
@@ -558,27 +582,33 @@ async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migrat
 
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
     assert_eq!(
-        applied[..3],
+        applied[..4],
         [
             "0014_migration_checksums.sql",
             "0015_console.sql",
+            "0016_records_without_id_key.sql",
             "points/0001_user_points.sql"
         ]
     );
-    let functions: Vec<&str> = applied[3..].iter().map(String::as_str).collect();
+    let functions: Vec<&str> = applied[4..].iter().map(String::as_str).collect();
     assert!(
         functions.len() == 11
             && functions.contains(&"functions/mq_claim.sql")
             && functions.iter().all(|name| name.starts_with("functions/")),
         "{applied:?}"
     );
-    // sql/functions holds what the migrations had made, to the character
-    // (and the console's migration adds functions of its own).
+    // sql/functions holds what the migrations had made, to the character,
+    // but for mq_open_epoch, whose partitions lost their key on `id` since
+    // (0016; and the console's migration adds functions of its own).
+    let opens = |definition: &String| definition.contains("FUNCTION mq_open_epoch(");
     let mut after = function_definitions(&old).await?;
     after.retain(|definition| {
         !definition.contains("FUNCTION mq_error_fingerprint(")
             && !definition.contains("FUNCTION mq_dead_letter_groups(")
+            && !opens(definition)
     });
+    let mut before = before;
+    before.retain(|definition| !opens(definition));
     assert_eq!(after, before);
     // Every migration has its checksum, those applied before included.
     let client = old.pool.get().await?;
