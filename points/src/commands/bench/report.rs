@@ -2,6 +2,70 @@
 
 use super::*;
 
+impl BenchReport {
+    /// The outbox against what publishing alone allows: batch mode with the
+    /// outbox on against its bound, `1 / (1 / off + credits per message /
+    /// credits published alone per second)` (a relay costing exactly what
+    /// publishing its messages alone costs), round by round; the relay's
+    /// whole-process CPU per credit (outbox on less off) against
+    /// publishing's (the publisher's and RabbitMQ's); WAL on against off.
+    fn outbox_against_its_bound(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        rates: &dyn Fn(&str) -> Vec<f64>,
+    ) -> fmt::Result {
+        let credits = self.credits_per_message;
+        if credits <= 0.0 {
+            return Ok(());
+        }
+        let (on, off, alone) = (rates(BATCH_OUTBOX), rates(BATCH), rates(PUBLISHED_ALONE));
+        let of_bound = median(
+            on.iter()
+                .zip(&off)
+                .zip(&alone)
+                .map(|((on, off), alone)| on * (1.0 / off + credits / alone)),
+        );
+        let bound = median(
+            off.iter()
+                .zip(&alone)
+                .map(|(off, alone)| 1.0 / (1.0 / off + credits / alone)),
+        );
+        if let (Some(of_bound), Some(bound)) = (of_bound, bound) {
+            writeln!(
+                f,
+                "batch, outbox on / its bound ({bound:.0} msgs/s: off, and {credits:.2} credits \
+                 a message published alone): {of_bound:.2} ×"
+            )?;
+        }
+        let of = |mode: &str, pick: fn(&Measurement) -> Option<f64>| {
+            self.runs(mode)
+                .and_then(|runs| median(runs.iter().filter_map(pick)))
+        };
+        if let (Some(on), Some(off), Some(worker), Some(rabbitmq)) = (
+            of(BATCH_OUTBOX, Measurement::all_cpu_us_per_message),
+            of(BATCH, Measurement::all_cpu_us_per_message),
+            of(PUBLISHED_ALONE, |m| m.cpu_us_per_message),
+            of(PUBLISHED_ALONE, |m| m.rabbitmq_us_per_message),
+        ) {
+            let relayed = (on - off) / credits;
+            let alone = worker + rabbitmq;
+            writeln!(
+                f,
+                "all-process CPU per credit: relayed {relayed:.1} µs (outbox on less off), \
+                 published alone {alone:.1} µs (publisher and RabbitMQ): {:.2} ×",
+                relayed / alone
+            )?;
+        }
+        if let (Some(on), Some(off)) = (
+            of(BATCH_OUTBOX, |m| m.wal_bytes_per_message),
+            of(BATCH, |m| m.wal_bytes_per_message),
+        ) {
+            writeln!(f, "WAL per message, outbox on / off: {:.2} ×", on / off)?;
+        }
+        Ok(())
+    }
+}
+
 impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "idem bench: {}", self.settings)?;
@@ -94,6 +158,7 @@ impl fmt::Display for BenchReport {
                 relayed / alone
             )?;
         }
+        self.outbox_against_its_bound(f, &rates)?;
         let all_cpu = |mode: &str| -> Vec<f64> {
             self.runs(mode)
                 .map(|runs| {
