@@ -1,10 +1,13 @@
 //! The relay: publishes what the outbox holds, at least once each.
 //!
-//! One transaction per batch: take the due unsent rows oldest first, locked
-//! (`FOR UPDATE SKIP LOCKED`, so that relays running at once share the work
-//! instead of sending the same rows), publish them with publisher confirms
-//! and `mandatory`, then remove the confirmed ones and mark the refused ones
-//! due again later, and commit. Killed before the commit, the rows are
+//! One transaction per batch: take the due messages waiting on their own
+//! (`mq_outbox`), then rows of messages as transactions wrote them
+//! (`mq_outbox_batch`), oldest first, locked (`FOR UPDATE SKIP LOCKED`, so
+//! that relays running at once share the work instead of sending the same
+//! rows), publish them with publisher confirms and `mandatory`, then remove
+//! the confirmed ones and mark the refused ones due again later (a batch
+//! row goes, and those of its messages not confirmed wait on their own),
+//! and commit. Killed before the commit, the rows are
 //! unlocked unsent and go again under the same `message_id`: a receiver
 //! that deduplicates on it applies each once. It runs inside a worker whose
 //! handler sends messages, and alone as `idem relay`.
@@ -27,7 +30,7 @@ use crate::broker::{
     settle,
 };
 use crate::store::StoreError;
-use crate::store::outbox::{self, Unsent};
+use crate::store::outbox::{self, Taken, Unsent};
 
 /// The header a receiver finds the idempotency key in (besides the AMQP
 /// `message_id` property).
@@ -418,8 +421,10 @@ impl Sending {
             confirms,
             unsendable,
         } = self;
-        let mut sent = Vec::with_capacity(due.len());
-        let (mut refused, mut reasons, mut waits) = (Vec::new(), Vec::new(), Vec::new());
+        // What each message came to: confirmed, refused (why, and when to
+        // try again), or neither (its channel closed first).
+        let mut outcomes: Vec<Option<Result<(), (String, Duration)>>> =
+            Vec::with_capacity(due.len());
         // Why the broker closed the channel, when it did so over a message it
         // will not take (`NOT_FOUND - no exchange 'x'`): every message of the
         // batch not confirmed by then fails with it, but only those to the
@@ -428,7 +433,7 @@ impl Sending {
         for (message, confirm) in due.iter().zip(confirms) {
             let refusal = match settle(confirm).await {
                 Ok(Ok(())) => {
-                    sent.push(message.id);
+                    outcomes.push(Some(Ok(())));
                     continue;
                 }
                 Ok(Err(refusal)) => refusal.to_string(),
@@ -437,6 +442,7 @@ impl Sending {
                         let blamed = reason.contains(&format!("'{}'", message.exchange));
                         closed_over = Some(reason.clone());
                         if !blamed {
+                            outcomes.push(None);
                             continue;
                         }
                         reason
@@ -456,9 +462,7 @@ impl Sending {
                 "the broker refused an outgoing message: it stays in the outbox, tried again in {}s",
                 wait.as_secs()
             );
-            refused.push(message.id);
-            reasons.push(refusal);
-            waits.push(wait);
+            outcomes.push(Some(Err((refusal, wait))));
         }
         // A channel that closed for another reason: what it confirmed is
         // sent, the rest goes again.
@@ -466,20 +470,91 @@ impl Sending {
             (None, Some(error)) => Some(error),
             _ => None,
         };
-        outbox::remove_sent(transaction.client(), &sent).await?;
-        if !refused.is_empty() {
-            outbox::mark_refused(transaction.client(), &refused, &reasons, &waits).await?;
-        }
+        let settled = Settled::of(&due, outcomes);
+        settled.write(transaction.client()).await?;
         // Failing here, the batch was published but not removed: it goes
         // again, under the same message ids.
         transaction.commit().await?;
-        counters.sent.inc_by(sent.len() as u64);
-        counters.refused.inc_by(refused.len() as u64);
+        counters.sent.inc_by(settled.sent);
+        counters.refused.inc_by(settled.refused);
         Ok(match lost {
             Some(error) => Batch::Lost(error),
             None if closed_over.is_some() => Batch::ChannelRefused,
             None => Batch::Done,
         })
+    }
+}
+
+/// What a batch's confirms come to in the outbox.
+#[derive(Debug, Default)]
+struct Settled<'m> {
+    /// Rows of `mq_outbox` confirmed: removed.
+    removed: Vec<i64>,
+    /// Rows of `mq_outbox` refused: counted, why, and when to try again.
+    refused_rows: (Vec<i64>, Vec<String>, Vec<Duration>),
+    /// Rows of `mq_outbox_batch` taken: removed, and those of their
+    /// messages not confirmed put back on their own.
+    batches: Vec<i64>,
+    put_back: Vec<outbox::PutBack<'m>>,
+    sent: u64,
+    refused: u64,
+}
+
+impl<'m> Settled<'m> {
+    /// `outcomes`, message by message of `due` (missing at the end: not
+    /// sent, as `None`).
+    fn of(due: &'m [Unsent], outcomes: Vec<Option<Result<(), (String, Duration)>>>) -> Self {
+        let mut settled = Self::default();
+        let outcomes = outcomes.into_iter().chain(std::iter::repeat_with(|| None));
+        for (message, outcome) in due.iter().zip(outcomes) {
+            match &outcome {
+                Some(Ok(())) => settled.sent += 1,
+                Some(Err(_)) => settled.refused += 1,
+                None => {}
+            }
+            match (message.taken, outcome) {
+                (Taken::Row(id), Some(Ok(()))) => settled.removed.push(id),
+                (Taken::Row(id), Some(Err((reason, wait)))) => {
+                    let (ids, reasons, waits) = &mut settled.refused_rows;
+                    ids.push(id);
+                    reasons.push(reason);
+                    waits.push(wait);
+                }
+                // Left as it is, unsent.
+                (Taken::Row(_), None) => {}
+                (Taken::Batch(id), outcome) => {
+                    if settled.batches.last() != Some(&id) {
+                        settled.batches.push(id);
+                    }
+                    match outcome {
+                        Some(Ok(())) => {}
+                        Some(Err(refused)) => settled.put_back.push(outbox::PutBack {
+                            message,
+                            refused: Some(refused),
+                        }),
+                        None => settled.put_back.push(outbox::PutBack {
+                            message,
+                            refused: None,
+                        }),
+                    }
+                }
+            }
+        }
+        settled
+    }
+
+    /// Writes it, in the relay's transaction.
+    async fn write(
+        &self,
+        client: &impl deadpool_postgres::GenericClient,
+    ) -> Result<(), StoreError> {
+        outbox::remove_sent(client, &self.removed).await?;
+        let (ids, reasons, waits) = &self.refused_rows;
+        if !ids.is_empty() {
+            outbox::mark_refused(client, ids, reasons, waits).await?;
+        }
+        outbox::put_back(client, &self.batches, &self.put_back).await?;
+        Ok(())
     }
 }
 

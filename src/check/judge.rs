@@ -337,7 +337,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
     ) -> Result<Vec<(String, String)>, CheckError> {
         let twice = client
             .query(
-                "SELECT message_id, count(*) FROM mq_outbox GROUP BY 1 HAVING count(*) > 1",
+                "SELECT message_id, count(*) FROM mq_outbox_message GROUP BY 1 HAVING count(*) > 1",
                 &[],
             )
             .await

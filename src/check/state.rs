@@ -269,7 +269,7 @@ async fn outbox(
     let rows = client
         .query(
             "SELECT message_id::text, exchange, routing_key, content_type, headers::text, body \
-             FROM mq_outbox",
+             FROM mq_outbox_message",
             &[],
         )
         .await?;

@@ -44,6 +44,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(14, "0014_migration_checksums.sql"),
     migration!(15, "0015_console.sql"),
     migration!(16, "0016_records_without_id_key.sql"),
+    migration!(17, "0017_outbox_batches.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of
@@ -447,6 +448,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 16);
+        assert_eq!(latest(MIGRATIONS), 17);
     }
 }

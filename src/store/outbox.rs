@@ -90,25 +90,37 @@ fn unnest(first: usize) -> String {
     )
 }
 
-const COLUMNS: &str = "INSERT INTO mq_outbox \
-     (message_id, exchange, routing_key, content_type, headers, body) \
-     SELECT outgoing.message_id::uuid, outgoing.exchange, outgoing.routing_key, \
-     outgoing.content_type, outgoing.headers::jsonb, outgoing.body";
+/// The messages of `outgoing` (see [`unnest`]) as one row of
+/// `mq_outbox_batch`, in their order; none when there are none.
+fn batch_row(from: &str) -> String {
+    format!(
+        "INSERT INTO mq_outbox_batch \
+             (message_ids, exchanges, routing_keys, content_types, headers, bodies, messages) \
+         SELECT array_agg(outgoing.message_id::uuid ORDER BY outgoing.place), \
+                array_agg(outgoing.exchange ORDER BY outgoing.place), \
+                array_agg(outgoing.routing_key ORDER BY outgoing.place), \
+                array_agg(outgoing.content_type ORDER BY outgoing.place), \
+                array_agg(outgoing.headers ORDER BY outgoing.place), \
+                array_agg(outgoing.body ORDER BY outgoing.place), count(*) \
+         FROM {from} \
+         HAVING count(*) > 0"
+    )
+}
 
-/// The outbox rows of the events that went in, as a step of a claim
+/// The outbox row of the events that went in, as a step of a claim
 /// statement whose `claimed` step yields them; the rows' parameters start
 /// at `$first`.
 pub(super) fn sent_step(first: usize) -> String {
     format!(
-        "sent AS ({COLUMNS} FROM {} JOIN claimed USING (event_id) ORDER BY outgoing.place)",
-        unnest(first)
+        "sent AS ({})",
+        batch_row(&format!("{} JOIN claimed USING (event_id)", unnest(first)))
     )
 }
 
-/// The outbox rows of events known to have gone in, inside their
+/// The outbox row of events known to have gone in, inside their
 /// transaction: `$1`…`$7` as [`Rows::params`].
 pub(super) fn insert_statement() -> String {
-    format!("{COLUMNS} FROM {} ORDER BY outgoing.place", unnest(1))
+    batch_row(&unnest(1))
 }
 
 /// Writes `messages` (an event's id, the message's index among that
@@ -128,11 +140,23 @@ pub(crate) async fn write(
     Ok(())
 }
 
+/// Where a message the relay took waits, locked until its transaction
+/// ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taken {
+    /// A row of its own in `mq_outbox`, by id.
+    Row(i64),
+    /// Among the messages of a row of `mq_outbox_batch`, by id: the relay
+    /// removes the row, and puts back in `mq_outbox` those of its messages
+    /// that were not confirmed ([`put_back`]).
+    Batch(i64),
+}
+
 /// A message the relay took from the outbox, locked until its transaction ends.
 #[derive(Debug, Clone)]
 pub struct Unsent {
-    /// The row.
-    pub id: i64,
+    /// Where it waits.
+    pub taken: Taken,
     /// The idempotency key.
     pub message_id: String,
     /// Where it goes.
@@ -149,8 +173,15 @@ pub struct Unsent {
     pub attempts: i32,
 }
 
-/// Up to `limit` unsent messages that are due, oldest first, locked for the
-/// caller's transaction; rows another relay holds are skipped.
+/// Headers as idem writes them: a JSON object of strings.
+fn headers(text: &str) -> std::collections::BTreeMap<String, String> {
+    serde_json::from_str(text).unwrap_or_default()
+}
+
+/// Up to about `limit` unsent messages that are due, locked for the
+/// caller's transaction; rows another relay holds are skipped. Those
+/// waiting on their own first (refused or left over before, oldest first),
+/// then whole rows of batches, oldest first, until `limit` is reached.
 pub async fn take(
     client: &impl GenericClient,
     limit: i64,
@@ -164,34 +195,177 @@ pub async fn take(
             &[&limit],
         )
         .await?;
-    rows.iter()
+    let mut taken = rows
+        .iter()
         .map(|row| {
             Ok(Unsent {
-                id: row.try_get(0)?,
+                taken: Taken::Row(row.try_get(0)?),
                 message_id: row.try_get(1)?,
                 exchange: row.try_get(2)?,
                 routing_key: row.try_get(3)?,
                 content_type: row.try_get(4)?,
-                // Written by idem as a map of strings.
-                headers: serde_json::from_str(row.try_get::<_, &str>(5)?).unwrap_or_default(),
+                headers: headers(row.try_get(5)?),
                 body: row.try_get(6)?,
                 attempts: row.try_get(7)?,
             })
         })
-        .collect()
+        .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
+    let next_batch = client
+        .prepare_cached(
+            "SELECT id, message_ids, exchanges, routing_keys, content_types, headers, bodies \
+             FROM mq_outbox_batch WHERE id > $1 ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED",
+        )
+        .await?;
+    // After the last row taken: a row this transaction locked is not
+    // skipped, but taken again.
+    let mut after = 0_i64;
+    while (taken.len() as i64) < limit {
+        let Some(row) = client.query_opt(&next_batch, &[&after]).await? else {
+            break;
+        };
+        let id: i64 = row.try_get(0)?;
+        after = id;
+        let message_ids: Vec<uuid::Uuid> = row.try_get(1)?;
+        let exchanges: Vec<String> = row.try_get(2)?;
+        let routing_keys: Vec<String> = row.try_get(3)?;
+        let content_types: Vec<Option<String>> = row.try_get(4)?;
+        let all_headers: Vec<String> = row.try_get(5)?;
+        let bodies: Vec<Vec<u8>> = row.try_get(6)?;
+        // Written by one statement from arrays of one length.
+        for (((((message_id, exchange), routing_key), content_type), headers_text), body) in
+            message_ids
+                .into_iter()
+                .zip(exchanges)
+                .zip(routing_keys)
+                .zip(content_types)
+                .zip(all_headers)
+                .zip(bodies)
+        {
+            taken.push(Unsent {
+                taken: Taken::Batch(id),
+                message_id: message_id.to_string(),
+                exchange,
+                routing_key,
+                content_type,
+                headers: headers(&headers_text),
+                body,
+                attempts: 0,
+            });
+        }
+    }
+    Ok(taken)
 }
 
-/// Removes `ids`, sent: the outbox keeps what is still to send. (A row
-/// removed costs a few dozen bytes of WAL; marking it sent wrote the whole
-/// row again, and the prune that removed it later, once more.)
+/// Removes `ids` of `mq_outbox`, sent: the outbox keeps what is still to
+/// send. (A row removed costs a few dozen bytes of WAL; marking it sent
+/// wrote the whole row again, and the prune that removed it later, once
+/// more.)
 pub async fn remove_sent(
     client: &impl GenericClient,
     ids: &[i64],
 ) -> Result<(), tokio_postgres::Error> {
+    if ids.is_empty() {
+        return Ok(());
+    }
     client
         .execute("DELETE FROM mq_outbox WHERE id = ANY($1)", &[&ids])
         .await?;
     Ok(())
+}
+
+/// A message of a batch row not confirmed, to wait on its own: refused by
+/// the broker (why, and how long until it is tried again), or left over
+/// (`None`: due at once).
+#[derive(Debug)]
+pub struct PutBack<'m> {
+    /// The message.
+    pub message: &'m Unsent,
+    /// The broker's refusal and the wait before the next attempt.
+    pub refused: Option<(String, Duration)>,
+}
+
+/// Removes the batch rows `batches` (taken, so locked by the caller), and
+/// writes `messages`, those of their messages not confirmed, to
+/// `mq_outbox`, in order: the refused ones with their first attempt
+/// counted. Those confirmed are sent, and go with their row.
+pub async fn put_back(
+    client: &impl GenericClient,
+    batches: &[i64],
+    messages: &[PutBack<'_>],
+) -> Result<(), tokio_postgres::Error> {
+    if !messages.is_empty() {
+        let mut columns = PutBackColumns::default();
+        for PutBack { message, refused } in messages {
+            columns.message_ids.push(message.message_id.as_str());
+            columns.exchanges.push(message.exchange.as_str());
+            columns.routing_keys.push(message.routing_key.as_str());
+            columns.content_types.push(message.content_type.as_deref());
+            // A map of strings always serializes.
+            columns
+                .headers
+                .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
+            columns.bodies.push(message.body.as_slice());
+            let (attempts, reason, wait) = match refused {
+                Some((reason, wait)) => (message.attempts + 1, Some(reason.as_str()), *wait),
+                None => (message.attempts, None, Duration::ZERO),
+            };
+            columns.attempts.push(attempts);
+            columns.reasons.push(reason);
+            columns.waits.push(millis(wait));
+        }
+        client
+            .execute(
+                "INSERT INTO mq_outbox (message_id, exchange, routing_key, content_type, headers, \
+                     body, attempts, last_error, next_attempt_at) \
+                 SELECT back.message_id::uuid, back.exchange, back.routing_key, \
+                     back.content_type, back.headers::jsonb, back.body, back.attempts, \
+                     back.reason, now() + back.wait * interval '1 millisecond' \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], \
+                             $6::bytea[], $7::int[], $8::text[], $9::bigint[]) WITH ORDINALITY \
+                     AS back(message_id, exchange, routing_key, content_type, headers, body, \
+                             attempts, reason, wait, place) \
+                 ORDER BY back.place",
+                &[
+                    &columns.message_ids,
+                    &columns.exchanges,
+                    &columns.routing_keys,
+                    &columns.content_types,
+                    &columns.headers,
+                    &columns.bodies,
+                    &columns.attempts,
+                    &columns.reasons,
+                    &columns.waits,
+                ],
+            )
+            .await?;
+    }
+    if !batches.is_empty() {
+        client
+            .execute(
+                "DELETE FROM mq_outbox_batch WHERE id = ANY($1)",
+                &[&batches],
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// [`put_back`]'s messages, column by column.
+#[derive(Default)]
+struct PutBackColumns<'m> {
+    message_ids: Vec<&'m str>,
+    exchanges: Vec<&'m str>,
+    routing_keys: Vec<&'m str>,
+    content_types: Vec<Option<&'m str>>,
+    headers: Vec<String>,
+    bodies: Vec<&'m [u8]>,
+    attempts: Vec<i32>,
+    reasons: Vec<Option<&'m str>>,
+    waits: Vec<i64>,
+}
+
+fn millis(wait: Duration) -> i64 {
+    i64::try_from(wait.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// Counts a refused publish of each of `ids`, with its reason, and puts the
@@ -202,17 +376,14 @@ pub async fn mark_refused(
     reasons: &[String],
     after: &[Duration],
 ) -> Result<(), tokio_postgres::Error> {
-    let millis: Vec<i64> = after
-        .iter()
-        .map(|wait| i64::try_from(wait.as_millis()).unwrap_or(i64::MAX))
-        .collect();
+    let waits: Vec<i64> = after.iter().copied().map(millis).collect();
     client
         .execute(
             "UPDATE mq_outbox SET attempts = attempts + 1, last_error = refused.reason, \
                  next_attempt_at = now() + refused.wait * interval '1 millisecond' \
              FROM unnest($1::bigint[], $2::text[], $3::bigint[]) AS refused(id, reason, wait) \
              WHERE mq_outbox.id = refused.id",
-            &[&ids, &reasons, &millis],
+            &[&ids, &reasons, &waits],
         )
         .await?;
     Ok(())
@@ -221,7 +392,11 @@ pub async fn mark_refused(
 /// How many messages wait to be sent.
 pub async fn unsent(client: &impl GenericClient) -> Result<i64, tokio_postgres::Error> {
     client
-        .query_one("SELECT count(*) FROM mq_outbox WHERE sent_at IS NULL", &[])
+        .query_one(
+            "SELECT (SELECT count(*) FROM mq_outbox WHERE sent_at IS NULL) \
+                  + (SELECT coalesce(sum(messages), 0) FROM mq_outbox_batch)",
+            &[],
+        )
         .await?
         .try_get(0)
 }

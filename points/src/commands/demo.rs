@@ -190,7 +190,7 @@ pub async fn run(amqp: AmqpConfig, database: DatabaseConfig) -> anyhow::Result<D
         .await?
         .try_get(0)?;
     let left: i64 = client
-        .query_one("SELECT count(*) FROM mq_outbox", &[])
+        .query_one("SELECT count(*) FROM mq_outbox_message", &[])
         .await?
         .try_get(0)?;
     let outbox = (stats.snapshot().outbox_sent, left);

@@ -174,6 +174,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0014_migration_checksums.sql",
             "0015_console.sql",
             "0016_records_without_id_key.sql",
+            "0017_outbox_batches.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -582,15 +583,16 @@ async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migrat
 
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
     assert_eq!(
-        applied[..4],
+        applied[..5],
         [
             "0014_migration_checksums.sql",
             "0015_console.sql",
             "0016_records_without_id_key.sql",
+            "0017_outbox_batches.sql",
             "points/0001_user_points.sql"
         ]
     );
-    let functions: Vec<&str> = applied[4..].iter().map(String::as_str).collect();
+    let functions: Vec<&str> = applied[5..].iter().map(String::as_str).collect();
     assert!(
         functions.len() == 11
             && functions.contains(&"functions/mq_claim.sql")

@@ -103,12 +103,12 @@ fn expected(events: &[PaymentSucceeded]) -> BTreeMap<String, PointsCredited> {
         .collect()
 }
 
-/// Rows of the outbox that `condition` holds for.
+/// Messages of the outbox that `condition` holds for.
 async fn outbox_count(env: &TestEnv, condition: &str) -> anyhow::Result<i64> {
     let client = env.pool.get().await?;
     let row = client
         .query_one(
-            &format!("SELECT count(*) FROM mq_outbox WHERE {condition}"),
+            &format!("SELECT count(*) FROM mq_outbox_message WHERE {condition}"),
             &[],
         )
         .await?;
@@ -643,7 +643,7 @@ async fn sent_by_key(env: &TestEnv) -> anyhow::Result<BTreeMap<String, (String, 
     let client = env.pool.get().await?;
     let rows = client
         .query(
-            "SELECT message_id::text, routing_key, convert_from(body, 'UTF8') FROM mq_outbox",
+            "SELECT message_id::text, routing_key, convert_from(body, 'UTF8') FROM mq_outbox_message",
             &[],
         )
         .await?;

@@ -90,7 +90,7 @@ async fn until_relayed(env: &TestEnv) -> anyhow::Result<()> {
     wait_for(
         "the outbox to be relayed",
         patient(Duration::from_secs(30)),
-        || async { Ok(env.count_rows("mq_outbox").await? == 0) },
+        || async { Ok(env.count_rows("mq_outbox_message").await? == 0) },
     )
     .await
 }
