@@ -909,14 +909,14 @@ in_both_modes!(
 
 /// A PostgreSQL server of the test's own (`pg_createcluster`), trusting
 /// local connections, for a test that crashes it; dropped with it.
-struct OwnServer {
+pub(crate) struct OwnServer {
     version: String,
     name: String,
     port: u16,
 }
 
 impl OwnServer {
-    fn start() -> anyhow::Result<Self> {
+    pub(crate) fn start() -> anyhow::Result<Self> {
         let version = std::fs::read_dir("/etc/postgresql")?
             .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
             .max_by_key(|version| version.parse::<u32>().unwrap_or(0))
@@ -934,13 +934,13 @@ impl OwnServer {
         Ok(server)
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
     /// Stops it as a crash would (`-m immediate`: no checkpoint, what was
     /// not flushed is lost), then starts it again.
-    fn crash_and_restart(&self) -> anyhow::Result<()> {
+    pub(crate) fn crash_and_restart(&self) -> anyhow::Result<()> {
         self.ctl(&["stop", "-m", "immediate"])?;
         self.ctl(&["start"])
     }

@@ -309,6 +309,64 @@ impl Handler for AlsoNowhere {
     }
 }
 
+/// A transaction's outbox row commits with its consume records and its
+/// effect, in the same WAL: a PostgreSQL server that crashes (`-m
+/// immediate`, nothing flushed after the crash kept) twice while the worker
+/// applies and relays loses no applied event's credit and sends none for an
+/// event it did not apply; what was sent but not yet removed goes again
+/// under its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_database_server_crash_loses_no_credit_and_keeps_every_key() -> anyhow::Result<()> {
+    let server = crate::faults::OwnServer::start()?;
+    let env = TestEnv::on_database_server(server.url()).await?;
+    let queue = credited_queue(&env).await?;
+    let events = load(&env, 4000, 0.1, 50);
+    let want = expected(&events);
+    let handler = Points.announcing(env.topology.exchange.as_str());
+    let worker = RunningWorker::start_with(env.worker_config(Mode::Batch), handler);
+    // A part of the load at a time, the server crashed once the outbox
+    // holds messages of the part that the relay has not removed: committed
+    // with their events, they must outlive the crash.
+    for part in events.chunks(1000) {
+        env.publish_events(part).await?;
+        wait_for(
+            "messages of the part in the outbox",
+            Duration::from_secs(120),
+            || async { Ok(unsent(&env).await.unwrap_or(0) > 0) },
+        )
+        .await?;
+        server.crash_and_restart()?;
+    }
+    // The test's own sessions end with each crash too: a count that fails
+    // is not there yet.
+    wait_for(
+        "every event applied and its credit sent",
+        Duration::from_secs(120),
+        || async {
+            Ok(env.records(GROUP).await.unwrap_or(0) == want.len() as i64
+                && unsent(&env).await.unwrap_or(1) == 0
+                && env.ready(&env.topology.queue).await? == 0)
+        },
+    )
+    .await?;
+    worker.stop().await?;
+    let received = by_source(&env.peek(&queue).await?)?;
+    let lost: Vec<&String> = want
+        .keys()
+        .filter(|id| !received.contains_key(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} credits lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(3)]
+    );
+    for (id, (credited, _)) in &received {
+        assert_eq!(Some(credited), want.get(id), "{id}");
+    }
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_message_stays_in_the_outbox_is_counted_and_holds_up_no_other()
 -> anyhow::Result<()> {
