@@ -526,16 +526,13 @@ impl<'m> Settled<'m> {
                     if settled.batches.last() != Some(&id) {
                         settled.batches.push(id);
                     }
-                    match outcome {
-                        Some(Ok(())) => {}
-                        Some(Err(refused)) => settled.put_back.push(outbox::PutBack {
+                    // Sent, it goes with its row; refused or left over,
+                    // it waits on its own.
+                    if !matches!(outcome, Some(Ok(()))) {
+                        settled.put_back.push(outbox::PutBack {
                             message,
-                            refused: Some(refused),
-                        }),
-                        None => settled.put_back.push(outbox::PutBack {
-                            message,
-                            refused: None,
-                        }),
+                            refused: outcome.and_then(Result::err),
+                        });
                     }
                 }
             }

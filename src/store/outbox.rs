@@ -148,7 +148,7 @@ pub enum Taken {
     Row(i64),
     /// Among the messages of a row of `mq_outbox_batch`, by id: the relay
     /// removes the row, and puts back in `mq_outbox` those of its messages
-    /// that were not confirmed ([`put_back`]).
+    /// that were not confirmed.
     Batch(i64),
 }
 
@@ -277,18 +277,18 @@ pub async fn remove_sent(
 /// the broker (why, and how long until it is tried again), or left over
 /// (`None`: due at once).
 #[derive(Debug)]
-pub struct PutBack<'m> {
+pub(crate) struct PutBack<'m> {
     /// The message.
-    pub message: &'m Unsent,
+    pub(crate) message: &'m Unsent,
     /// The broker's refusal and the wait before the next attempt.
-    pub refused: Option<(String, Duration)>,
+    pub(crate) refused: Option<(String, Duration)>,
 }
 
 /// Removes the batch rows `batches` (taken, so locked by the caller), and
 /// writes `messages`, those of their messages not confirmed, to
 /// `mq_outbox`, in order: the refused ones with their first attempt
 /// counted. Those confirmed are sent, and go with their row.
-pub async fn put_back(
+pub(crate) async fn put_back(
     client: &impl GenericClient,
     batches: &[i64],
     messages: &[PutBack<'_>],

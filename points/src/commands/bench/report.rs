@@ -3,6 +3,12 @@
 use super::*;
 
 impl BenchReport {
+    /// The median over the rounds of what `pick` reads of `mode`'s runs.
+    fn median_of(&self, mode: &str, pick: fn(&Measurement) -> Option<f64>) -> Option<f64> {
+        self.runs(mode)
+            .and_then(|runs| median(runs.iter().filter_map(pick)))
+    }
+
     /// The outbox against what publishing alone allows: batch mode with the
     /// outbox on against its bound, `1 / (1 / off + credits per message /
     /// credits published alone per second)` (a relay costing exactly what
@@ -37,10 +43,7 @@ impl BenchReport {
                  a message published alone): {of_bound:.2} ×"
             )?;
         }
-        let of = |mode: &str, pick: fn(&Measurement) -> Option<f64>| {
-            self.runs(mode)
-                .and_then(|runs| median(runs.iter().filter_map(pick)))
-        };
+        let of = |mode, pick| self.median_of(mode, pick);
         if let (Some(on), Some(off), Some(worker), Some(rabbitmq)) = (
             of(BATCH_OUTBOX, Measurement::all_cpu_us_per_message),
             of(BATCH, Measurement::all_cpu_us_per_message),
@@ -140,10 +143,7 @@ impl fmt::Display for BenchReport {
         if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
             writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
         }
-        let rabbitmq = |mode: &str| {
-            self.runs(mode)
-                .and_then(|runs| median(runs.iter().filter_map(|m| m.rabbitmq_us_per_message)))
-        };
+        let rabbitmq = |mode| self.median_of(mode, |m| m.rabbitmq_us_per_message);
         if let (Some(on), Some(off), Some(alone)) = (
             rabbitmq(BATCH_OUTBOX),
             rabbitmq(BATCH),
