@@ -1,5 +1,7 @@
-//! The retry schedules idem uses, in one place: exponential backoff with
-//! jitter, so that many workers recovering at once do not retry in step.
+//! Waiting for a server that does not answer: exponential backoff with
+//! jitter (so that many workers recovering at once do not retry in step),
+//! up to a deadline or for as long as it takes. What becomes of a message
+//! that failed is the retry policy's ([`crate::retry`]).
 
 use std::time::Duration;
 

@@ -110,7 +110,7 @@
 //! ([`Transaction`], [`Outbox`], [`OutboxMessage`], [`Tally`],
 //! [`HandlerError`], [`Invalid`], [`Migration`], [`GivenUp`],
 //! [`FailureKind`]); the [`Worker`] and its [`WorkerConfig`], [`Mode`],
-//! [`Topology`], [`Exchange`]; the connections ([`AmqpConfig`],
+//! [`Topology`], [`Exchange`], [`RetryPolicy`]; the connections ([`AmqpConfig`],
 //! [`DatabaseConfig`], [`SecretUrl`]); [`migrate`]; the CLI [`Service`]; a
 //! [`check`] of the handler ([`CheckConfig`]); the outbox [`relay`]
 //! ([`RelayConfig`]). The modules below hold the rest: reports, errors, and
@@ -134,6 +134,8 @@
 //! - [`commands`] — what the other commands do: `status`, `prune`,
 //!   `reconcile`; their error is an [`error::CommandError`].
 //! - [`relay`] — the outbox relay, in the worker or on its own.
+//! - [`retry`] — the retry policy: attempts, delays, and what each kind of
+//!   failure does.
 //! - [`secret`] — connection strings that never print their password.
 //! - [`telemetry`] — logging, and the trace context across the broker.
 //!
@@ -167,6 +169,7 @@ pub mod program;
 #[doc(hidden)]
 pub mod progress;
 pub mod relay;
+pub mod retry;
 pub mod secret;
 pub mod store;
 pub mod telemetry;
@@ -188,6 +191,7 @@ pub use handler::{
     Transaction,
 };
 pub use relay::RelayConfig;
+pub use retry::RetryPolicy;
 pub use secret::SecretUrl;
 pub use store::{DatabaseConfig, migrate};
 pub use worker::{Mode, Worker, WorkerConfig};

@@ -98,7 +98,7 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
         (DELIVERY_LIMIT, topology.delivery_limit.to_string()),
         (
             RETRY_DELAYS,
-            crate::duration::format_list(&topology.retry_delays),
+            crate::duration::format_list(topology.retry.delays()),
         ),
         (QUORUM_SIZE, topology.quorum_size.to_string()),
     ]

@@ -12,19 +12,19 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
+use idem::RetryPolicy;
 use idem::broker::{Exchange, Topology};
 
 mod wallet;
 
 fn main() -> ExitCode {
     let topology = Topology {
-        retry_delays: vec![Duration::from_secs(1), Duration::from_secs(5)],
+        retry: RetryPolicy::new([Duration::from_secs(1), Duration::from_secs(5)], 3),
         ..Topology::for_queue("wallet.transfers").bound_to("payments", "transfer.requested")
     };
     idem::cli::Service::new(wallet::Wallet)
         .topology(topology)
         .consumer_group("wallet-transfers")
-        .max_attempts(3)
         .sends_to(Exchange::topic(wallet::EVENTS))
         .version(env!("CARGO_PKG_VERSION"))
         .run()

@@ -387,6 +387,16 @@ pub fn access_refused(error: &lapin::Error) -> Option<String> {
     }
 }
 
+/// Whether the broker said that what was named does not exist (404
+/// NOT_FOUND): a queue nobody declared yet, say.
+pub fn not_found(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if *amqp.kind() == AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)
+    )
+}
+
 /// Of two errors that ended a session, the one that explains it: a refusal
 /// over the errors it caused (operations on the channel it closed).
 pub fn first_refusal(kept: Option<lapin::Error>, new: lapin::Error) -> Option<lapin::Error> {

@@ -12,7 +12,7 @@ pub use connection::{AmqpConfig, ConnectError, SessionError};
 #[doc(hidden)]
 pub use connection::{
     ConnectionWatch, Reconnects, access_refused, close, close_channel, connect, connect_with_retry,
-    first_refusal, refusal,
+    first_refusal, not_found, refusal,
 };
 #[doc(hidden)]
 pub use publisher::{ConfirmChannel, Nacks, Outgoing, publish_all, publish_showing, settle};

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use tracing::{info, warn};
 
 use super::publisher::Outgoing;
+use crate::retry::RetryPolicy;
 
 /// Names and limits of the objects one consumer group needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,10 +38,9 @@ pub struct Topology {
     /// budget, for a message that crashes the worker itself (every crash
     /// counts as a delivery on RabbitMQ 3.x).
     pub delivery_limit: u32,
-    /// How long a failed message waits before its next attempt, after its
-    /// first failure, its second, …; the last repeats. Each distinct delay
-    /// above zero has a wait queue; zero returns the message at once.
-    pub retry_delays: Vec<Duration>,
+    /// How a message whose transaction failed is tried again: each
+    /// distinct delay of the policy above zero has a wait queue.
+    pub retry: RetryPolicy,
     /// Replicas of each quorum queue when it is created
     /// (`x-quorum-initial-group-size`; a cluster of fewer nodes gives each
     /// node one). A queue that exists keeps the replicas it has.
@@ -211,17 +211,6 @@ impl Topology {
     /// The work queue's `x-delivery-limit` unless said otherwise.
     pub const DEFAULT_DELIVERY_LIMIT: u32 = 20;
 
-    /// The retry schedule unless said otherwise: a failure that time fixes
-    /// (a row that arrives a moment later, a lock, a service restarting)
-    /// gets about six minutes in all with five attempts; a message that can
-    /// never apply is dead-lettered by then.
-    pub const DEFAULT_RETRY_DELAYS: [Duration; 4] = [
-        Duration::from_secs(1),
-        Duration::from_secs(10),
-        Duration::from_secs(60),
-        Duration::from_secs(300),
-    ];
-
     /// Replicas of a quorum queue unless said otherwise: a majority survives
     /// the loss of any one node.
     pub const DEFAULT_QUORUM_SIZE: u32 = 3;
@@ -232,9 +221,6 @@ impl Topology {
     /// 2³¹ − 1 browses, a dead letter stays until it is replayed or
     /// discarded.
     pub const DEAD_LETTER_DELIVERY_LIMIT: i64 = i32::MAX as i64;
-
-    /// The longest delay: RabbitMQ's `x-message-ttl` is at most 2³² − 1 ms.
-    pub const MAX_RETRY_DELAY: Duration = Duration::from_millis(u32::MAX as u64);
 
     /// How long a message stays in its wait queue past its delay before
     /// the broker sends it back to the work queue by itself. A worker takes
@@ -249,7 +235,7 @@ impl Topology {
     fn wait_ttl(delay: Duration) -> u64 {
         let ttl = delay
             .saturating_add(Self::WAIT_GRACE)
-            .min(Self::MAX_RETRY_DELAY);
+            .min(RetryPolicy::MAX_DELAY);
         ttl.as_millis() as u64
     }
 
@@ -270,7 +256,7 @@ impl Topology {
             dead_letter_exchange: format!("{service}.dlx"),
             dead_letter_queue: format!("{queue}.dlq"),
             delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
-            retry_delays: Self::DEFAULT_RETRY_DELAYS.to_vec(),
+            retry: RetryPolicy::default(),
             quorum_size: Self::DEFAULT_QUORUM_SIZE,
         }
     }
@@ -285,41 +271,22 @@ impl Topology {
         }
     }
 
-    /// How long a message waits after its `failures`-th failure (1 for the
-    /// first): zero means at once.
-    pub fn delay_after(&self, failures: u32) -> Duration {
-        let index = (failures.max(1) - 1) as usize;
-        self.retry_delays
-            .get(index)
-            .or(self.retry_delays.last())
-            .copied()
-            .unwrap_or_default()
-    }
-
     /// The wait queue of `delay`: `<work queue>.retry.<delay>`, e.g.
     /// `points.payment-succeeded.retry.10s`.
     pub fn wait_queue(&self, delay: Duration) -> String {
         format!("{}.retry.{}", self.queue, crate::duration::format(delay))
     }
 
-    /// The distinct delays above zero, shortest first: one wait queue each.
-    pub fn waits(&self) -> Vec<Duration> {
-        let mut waits: Vec<Duration> = self
-            .retry_delays
-            .iter()
-            .copied()
-            .filter(|delay| !delay.is_zero())
-            .collect();
-        waits.sort();
-        waits.dedup();
-        waits
-    }
-
     /// Every queue of this topology: the work queue, the dead-letter queue,
     /// the wait queues.
     pub fn queues(&self) -> Vec<String> {
         let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
-        queues.extend(self.waits().into_iter().map(|delay| self.wait_queue(delay)));
+        queues.extend(
+            self.retry
+                .waits()
+                .into_iter()
+                .map(|delay| self.wait_queue(delay)),
+        );
         queues
     }
 
@@ -400,7 +367,7 @@ impl Topology {
                 self.dead_letter_queue_arguments(),
             ),
         ];
-        for delay in self.waits() {
+        for delay in self.retry.waits() {
             queues.push((self.wait_queue(delay), self.wait_queue_arguments(delay)));
         }
         queues
@@ -508,7 +475,7 @@ impl Topology {
                     arguments = vec![("x-queue-type", json!("classic"))];
                 }
                 "x-message-ttl"
-                    if self.waits().iter().any(|delay| {
+                    if self.retry.waits().iter().any(|delay| {
                         self.wait_queue(*delay) == name
                             && difference.current.as_deref()
                                 == Some(delay.as_millis().to_string().as_str())
@@ -709,8 +676,9 @@ mod tests {
     use super::*;
 
     fn topology(delays: &[u64]) -> Topology {
+        let delays: Vec<Duration> = delays.iter().map(|ms| Duration::from_millis(*ms)).collect();
         Topology {
-            retry_delays: delays.iter().map(|ms| Duration::from_millis(*ms)).collect(),
+            retry: RetryPolicy::default().with_delays(delays),
             ..Topology {
                 dead_letter_exchange: "dlx".into(),
                 dead_letter_queue: "dlq".into(),
@@ -779,17 +747,6 @@ mod tests {
             arg("x-queue-type", Some("classic"))
         );
         assert_eq!(parsed("NOT_FOUND - no queue 'q'"), None);
-    }
-
-    #[test]
-    fn the_last_delay_repeats_and_zero_means_at_once() {
-        let schedule = topology(&[1000, 10_000]);
-        let after: Vec<u128> = (1..=4)
-            .map(|failures| schedule.delay_after(failures).as_millis())
-            .collect();
-        assert_eq!(after, vec![1000, 10_000, 10_000, 10_000]);
-        assert_eq!(topology(&[0]).delay_after(3), Duration::ZERO);
-        assert_eq!(topology(&[]).delay_after(1), Duration::ZERO);
     }
 
     #[test]

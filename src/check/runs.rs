@@ -34,6 +34,7 @@ use crate::broker::{AmqpConfig, Topology, close_channel, queue_counts};
 use crate::dlq::{self, Action, DlqConfig, Filter};
 use crate::handler::{FailureKind, Handler};
 use crate::probe::{Point, Probe, Verdict};
+use crate::retry::RetryPolicy;
 use crate::trial::proxy::Proxy;
 use crate::trial::{Load, Repeats};
 use crate::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
@@ -244,12 +245,12 @@ pub(crate) struct Ran {
 }
 
 /// The topology of the run named `slug`, its names starting with
-/// `prefix`: queues of its own, a retry at once (no wait queue), one
-/// replica.
+/// `prefix`: queues of its own, retries at once (no wait queue), one
+/// replica. The worker's attempts are set apart, per run.
 pub(crate) fn topology(prefix: &str, slug: &str) -> Topology {
     let name = format!("{prefix}.{slug}");
     Topology {
-        retry_delays: vec![Duration::ZERO],
+        retry: RetryPolicy::at_once(RetryPolicy::DEFAULT_ATTEMPTS),
         quorum_size: 1,
         ..Topology::for_queue(&name).bound_to(&format!("{name}.events"), "event")
     }
@@ -587,7 +588,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
         config.summary_interval = Duration::ZERO;
         config.startup_timeout = self.rig.patience;
         config.shutdown_timeout = DRAIN;
-        config.max_attempts = self.rig.max_attempts;
+        config.topology.retry = config.topology.retry.with_attempts(self.rig.max_attempts);
         if self.plan.mode == Mode::Batch {
             config.batch_size = self.plan.batch_size;
             config.prefetch = u16::try_from(self.plan.batch_size * 8).unwrap_or(u16::MAX);

@@ -108,7 +108,7 @@ pub struct Service<H, X = NoCommands, F = NoFlags> {
     /// The default of `--consumer-group`.
     consumer_group: String,
     /// Defaults of other flags the service set, by argument id
-    /// (`max_attempts`), as the flag would write them.
+    /// (`batch_size`), as the flag would write them.
     settings: Vec<(&'static str, String)>,
     /// Where the handler's messages go: declared by `worker` and `relay`.
     outgoing: Vec<Exchange>,
@@ -299,9 +299,11 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
     }
 
     /// The default of `--max-attempts`: genuine failures after which a
-    /// message is dead-lettered.
-    pub fn max_attempts(self, attempts: u32) -> Self {
-        self.setting("max_attempts", attempts.to_string())
+    /// message is dead-lettered (the topology's retry policy, with
+    /// `attempts`).
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.topology.retry = self.topology.retry.with_attempts(attempts);
+        self
     }
 
     /// The default of the worker's `--mode`.
@@ -412,8 +414,9 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             ("consumer_group", self.consumer_group.clone()),
             (
                 "retry_delays",
-                duration::format_list(&topology.retry_delays),
+                duration::format_list(topology.retry.delays()),
             ),
+            ("max_attempts", topology.retry.attempts().to_string()),
             ("delivery_limit", topology.delivery_limit.to_string()),
             ("quorum_size", topology.quorum_size.to_string()),
         ];

@@ -98,13 +98,13 @@ fn defaults_reach_the_local_services_and_the_points_topology() -> Result<(), Str
     assert_eq!(
         (
             config.batch_wait,
-            config.max_attempts,
+            config.topology.retry.attempts(),
             config.shutdown_timeout,
             config.startup_timeout
         ),
         (
             library.batch_wait,
-            library.max_attempts,
+            library.topology.retry.attempts(),
             library.shutdown_timeout,
             library.startup_timeout
         )

@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use crate::broker;
 use crate::dlq::{self, DlqConfig};
 use crate::handler::Handler;
+use crate::retry::RetryPolicy;
 use crate::store::Store;
 use crate::store::retention::{self, PruneConfig, Pruned};
 
@@ -26,9 +27,9 @@ pub struct PruneSettings {
     pub older_than: Duration,
     /// Refuse a window shorter than this.
     pub min_retention: Duration,
-    /// The retry delays of the group's wait queues: a message waits for
-    /// them all before it is dead-lettered.
-    pub retry_delays: Vec<Duration>,
+    /// The group's retry policy: a message may come back as long after its
+    /// first delivery as it waits through its attempts.
+    pub retry: RetryPolicy,
     /// How long an epoch stays current.
     pub epoch_length: Duration,
     /// Longest wait for a lock (see [`PruneConfig::lock_timeout`]).
@@ -67,10 +68,10 @@ impl PruneSettings {
             )
             .into());
         }
-        let retries: Duration = self.retry_delays.iter().sum();
+        let retries = self.retry.longest_wait();
         if self.older_than <= retries {
             return Err(anyhow!(
-                "a window of {window} is not longer than the retry delays together ({}): a \
+                "a window of {window} is not longer than a message's retries wait in all ({}): a \
                  message still retrying could come back after its record is removed",
                 crate::duration::format_days(retries)
             )
@@ -94,6 +95,9 @@ pub struct Outcome {
     /// The letters in the dead-letter queue and those the index counts,
     /// when the queue holds more: every epoch was kept.
     pub index_behind: Option<(u32, i64)>,
+    /// The work queue, when it does not exist yet (no worker has run on
+    /// this vhost): no message waits there.
+    pub no_work_queue: Option<String>,
 }
 
 /// Checks the window against the safety rule, then prunes once.
@@ -130,7 +134,11 @@ async fn prune_once<H: Handler>(
     }
     let store = Store::new(target.database.pool()?, target.consumer_group.clone());
     let (for_letters, applied) = store.held_by_dead_letters().await?;
-    let unconsumed = unconsumed(settings).await?;
+    let work_queue = work_queue(settings).await?;
+    let (unconsumed, no_work_queue) = match work_queue {
+        WorkQueue::Missing => (None, Some(settings.work_queue.clone())),
+        WorkQueue::Unconsumed(messages) => (messages, None),
+    };
     let pool = store.pool().clone();
     let client = pool.get().await?;
     let keep_from = if unconsumed.is_some() || index_behind.is_some() {
@@ -158,7 +166,17 @@ async fn prune_once<H: Handler>(
         held_back: for_letters.map(|epoch| (epoch, usize::try_from(applied).unwrap_or(usize::MAX))),
         unconsumed,
         index_behind,
+        no_work_queue,
     })
+}
+
+/// What the work queue holds that no worker consumes.
+enum WorkQueue {
+    /// It does not exist: no worker declared it yet, nothing waits.
+    Missing,
+    /// Messages that wait there with no worker consuming them (`None`:
+    /// none, or they are consumed).
+    Unconsumed(Option<u32>),
 }
 
 /// How many messages wait in the work queue with no worker consuming them:
@@ -166,7 +184,7 @@ async fn prune_once<H: Handler>(
 /// it, which would apply again once their records are gone. `None` when
 /// the queue is empty or consumed (its messages are then as old as the
 /// workers' lag).
-async fn unconsumed(settings: &PruneSettings) -> anyhow::Result<Option<u32>> {
+async fn work_queue(settings: &PruneSettings) -> anyhow::Result<WorkQueue> {
     let queue = &settings.work_queue;
     let connection = broker::connect(&settings.target.amqp, "idem prune").await?;
     let counts = async {
@@ -175,9 +193,13 @@ async fn unconsumed(settings: &PruneSettings) -> anyhow::Result<Option<u32>> {
     }
     .await;
     broker::close(&connection).await;
-    let (messages, consumers) =
-        counts.with_context(|| format!("cannot read the work queue {queue}"))?;
-    Ok((messages > 0 && consumers == 0).then_some(messages))
+    let (messages, consumers) = match counts {
+        Err(error) if broker::not_found(&error) => return Ok(WorkQueue::Missing),
+        counts => counts.with_context(|| format!("cannot read the work queue {queue}"))?,
+    };
+    Ok(WorkQueue::Unconsumed(
+        (messages > 0 && consumers == 0).then_some(messages),
+    ))
 }
 
 /// A worker's pruner: [`run`] every `interval` until `shutdown`. A pass that
@@ -252,6 +274,13 @@ impl std::fmt::Display for Outcome {
                     .join(", "),
                 pruned.records
             )?,
+        }
+        if let Some(queue) = &self.no_work_queue {
+            writeln!(
+                f,
+                "there is no work queue {queue} yet (no worker has run on this vhost): no \
+                 message waits in it"
+            )?;
         }
         if let Some(messages) = self.unconsumed {
             writeln!(

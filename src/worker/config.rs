@@ -107,9 +107,6 @@ pub struct WorkerConfig {
     /// flush. Per-message mode's default; batch mode, whose commits share
     /// a flush among a batch already, has none.
     pub lanes: usize,
-    /// Genuine failures after which a message is dead-lettered (the failure
-    /// ledger counts them; the queue's delivery limit is only a backstop).
-    pub max_attempts: u32,
     /// Bodies above this many bytes are invalid.
     pub max_body_bytes: usize,
     /// Most bytes of a dead letter's body the dead-letter index keeps, for
@@ -141,8 +138,6 @@ pub struct WorkerConfig {
 }
 
 impl WorkerConfig {
-    /// Genuine failures after which a message is dead-lettered, by default.
-    pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
     /// How long a batch waits for more deliveries, by default.
     pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
     /// Largest body decoded, by default.
@@ -192,7 +187,6 @@ impl WorkerConfig {
             batch_wait: Self::DEFAULT_BATCH_WAIT,
             max_in_flight: tuning.max_in_flight,
             lanes: tuning.lanes,
-            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             kept_body_bytes: crate::store::dead_letters::KEPT_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,
@@ -217,9 +211,7 @@ impl WorkerConfig {
                 queue: self.topology.queue.clone(),
             });
         }
-        if self.max_attempts == 0 {
-            return Err(ConfigError::Zero("max_attempts"));
-        }
+        self.topology.retry.check()?;
         if self.prefetch == 0 {
             return Err(ConfigError::Zero("prefetch"));
         }
@@ -229,10 +221,10 @@ impl WorkerConfig {
         if self.max_in_flight == 0 {
             return Err(ConfigError::Zero("max_in_flight"));
         }
-        if self.topology.delivery_limit < self.max_attempts {
+        if self.topology.delivery_limit < self.topology.retry.attempts() {
             return Err(ConfigError::DeliveryLimitBelowAttempts {
                 delivery_limit: self.topology.delivery_limit,
-                max_attempts: self.max_attempts,
+                max_attempts: self.topology.retry.attempts(),
             });
         }
         if self.batch_size > usize::from(self.prefetch) {
@@ -287,6 +279,9 @@ pub enum ConfigError {
     /// A setting that must be at least 1.
     #[error("{0} must be at least 1")]
     Zero(&'static str),
+    /// The retry policy cannot work.
+    #[error(transparent)]
+    Retry(#[from] crate::retry::RetryError),
     /// The broker's backstop would dead-letter before idem's budget is spent.
     #[error(
         "the delivery limit ({delivery_limit}) must be at least max_attempts ({max_attempts}): \

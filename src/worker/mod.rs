@@ -212,11 +212,9 @@ impl<H: Handler> Worker<H> {
         ));
         let processor = Arc::new(Processor {
             applier: Applier::new(store, Arc::new(handler))?.probed(probe.clone()),
-            max_attempts: config.max_attempts,
             max_body_bytes: config.max_body_bytes,
             health,
             stats: Arc::clone(&stats),
-            max_hold_backoff: Duration::from_secs(5),
             topology: config.topology.clone(),
             probe,
         });

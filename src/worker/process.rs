@@ -26,6 +26,7 @@ use crate::broker::death::{may_follow_an_attempt, replays};
 use crate::caught;
 use crate::handler::{FailureKind, GivenUp, Handler, Invalid, check_event_id};
 use crate::probe::{self, Point};
+use crate::retry::{GiveUp, Next, RetryPolicy};
 use crate::store::dead_letters::{body_key, event_key};
 use crate::store::{Applier, DeadLetter, Failure, GivenUpMessages, Store};
 use crate::telemetry::trace;
@@ -105,15 +106,12 @@ impl Decided {
 #[derive(Debug)]
 pub(crate) struct Processor<H: Handler> {
     pub(crate) applier: Applier<H>,
-    /// Genuine failures after which a message is dead-lettered.
-    pub(crate) max_attempts: u32,
     /// Bodies above this are invalid and never decoded.
     pub(crate) max_body_bytes: usize,
     pub(crate) health: DatabaseHealth,
     pub(crate) stats: Arc<Stats>,
-    /// Longest wait between two attempts while the database is unavailable.
-    pub(crate) max_hold_backoff: Duration,
-    /// The retry schedule.
+    /// The work queue's objects, and in them the retry policy: what a
+    /// failure leads to.
     pub(crate) topology: Topology,
     /// Asked after each commit, when a check armed one.
     pub(crate) probe: probe::Armed,
@@ -126,6 +124,16 @@ impl<H: Handler> Processor<H> {
 
     fn store(&self) -> &Store {
         self.applier.store()
+    }
+
+    fn retry(&self) -> &RetryPolicy {
+        &self.topology.retry
+    }
+
+    /// Whether the policy holds the delivery through `failure` rather than
+    /// counting it.
+    fn holds(&self, failure: &Failure) -> bool {
+        self.retry().after(failure.kind, 0) == Next::Hold
     }
 
     fn event_id<'e>(&self, item: &'e Item<H::Event>) -> &'e str {
@@ -304,7 +312,7 @@ impl<H: Handler> Processor<H> {
             let committed = self
                 .until_database_answers(
                     || self.applier.commit(&events, first_deliveries),
-                    is_infrastructure,
+                    |failure: &Failure| self.holds(failure),
                 )
                 .instrument(transaction.clone())
                 .await;
@@ -327,7 +335,7 @@ impl<H: Handler> Processor<H> {
             );
             // Not at once: a flush that keeps failing would spin.
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(self.max_hold_backoff);
+            pause = (pause * 2).min(self.retry().max_hold_backoff());
             earlier = Some(committed);
         };
         if outcome.is_ok() && self.probe.is_some() {
@@ -390,7 +398,7 @@ impl<H: Handler> Processor<H> {
             .collect();
         let exhausted = match self
             .until_database_answers(
-                || self.store().exhausted(&ids, self.max_attempts),
+                || self.store().exhausted(&ids, self.retry().attempts()),
                 |error| error.kind() == FailureKind::Infrastructure,
             )
             .await
@@ -406,11 +414,11 @@ impl<H: Handler> Processor<H> {
             warn!(
                 delivery.tag = item.tag(),
                 event.id = %self.event_id(&item),
-                max_attempts = self.max_attempts,
+                max_attempts = self.retry().attempts(),
                 "out of attempts before the last restart: dead-lettering it"
             );
             self.stats.dead_lettered(1);
-            let why = format!("used up its {} attempts", self.max_attempts);
+            let why = format!("used up its {} attempts", self.retry().attempts());
             self.give_up(decided, item.delivery, Some(&item.event), None, &why);
         }
         rest
@@ -432,7 +440,7 @@ impl<H: Handler> Processor<H> {
         let ids = [event_id];
         let spent_before = self
             .until_database_answers(
-                || self.store().exhausted(&ids, self.max_attempts),
+                || self.store().exhausted(&ids, self.retry().attempts()),
                 |error| error.kind() == FailureKind::Infrastructure,
             )
             .await
@@ -441,7 +449,7 @@ impl<H: Handler> Processor<H> {
             warn!(
                 delivery.tag = item.tag(),
                 event.id = %event_id,
-                max_attempts = self.max_attempts,
+                max_attempts = self.retry().attempts(),
                 error = %failure,
                 error.detail = failure.detail.as_deref(),
                 "transaction failed and the event was out of attempts before this copy arrived: \
@@ -461,25 +469,17 @@ impl<H: Handler> Processor<H> {
             unreachable!("every error of the ledger is retried");
         };
         self.stats.failed(1);
-        if failure.kind == FailureKind::Permanent {
-            warn!(
-                delivery.tag = item.tag(),
-                event.id = %event_id,
-                error = %failure,
-                error.detail = failure.detail.as_deref(),
+        let next = self.retry().after(failure.kind, failures);
+        let outcome = match next {
+            Next::DeadLetter(GiveUp::Permanent) => {
                 "the handler says the message can never apply: dead-lettering it now"
-            );
-            self.give_up_failed(decided, item, failure);
-            return;
-        }
-        let spent = failures >= self.max_attempts;
-        let delay = self.topology.delay_after(failures);
-        let outcome = if spent {
-            "transaction failed and the message is out of attempts: dead-lettering it"
-        } else if delay.is_zero() {
-            "transaction failed: returning the message for another attempt"
-        } else {
-            "transaction failed: the message waits for its next attempt"
+            }
+            Next::DeadLetter(_) => {
+                "transaction failed and the message is out of attempts: dead-lettering it"
+            }
+            Next::Now => "transaction failed: returning the message for another attempt",
+            Next::Wait(_) => "transaction failed: the message waits for its next attempt",
+            Next::Hold => unreachable!("a failure of the infrastructure is held, never counted"),
         };
         warn!(
             delivery.tag = item.tag(),
@@ -487,23 +487,29 @@ impl<H: Handler> Processor<H> {
             delivery.count = item.delivery_count,
             event.id = %event_id,
             attempt = failures,
-            max_attempts = self.max_attempts,
-            retry.delay_ms = (!spent).then_some(delay.as_millis() as u64),
+            max_attempts = self.retry().attempts(),
+            retry.delay_ms = match next {
+                Next::Wait(delay) => Some(delay.as_millis() as u64),
+                Next::Now => Some(0),
+                _ => None,
+            },
             error = %failure,
             error.detail = failure.detail.as_deref(),
             "{outcome}"
         );
-        if spent {
-            self.give_up_failed(decided, item, failure);
-        } else if delay.is_zero() {
-            self.stats.retried(1, delay);
-            decided.settle(item.tag(), Disposition::Retry);
-        } else {
-            self.stats.retried(1, delay);
-            decided.waiting.push(Waiting {
-                delivery: item.delivery,
-                delay,
-            });
+        match next {
+            Next::Now => {
+                self.stats.retried(1, Duration::ZERO);
+                decided.settle(item.tag(), Disposition::Retry);
+            }
+            Next::Wait(delay) => {
+                self.stats.retried(1, delay);
+                decided.waiting.push(Waiting {
+                    delivery: item.delivery,
+                    delay,
+                });
+            }
+            Next::DeadLetter(_) | Next::Hold => self.give_up_failed(decided, item, failure),
         }
     }
 
@@ -522,7 +528,7 @@ impl<H: Handler> Processor<H> {
     {
         let mut hold: Option<Hold<'_>> = None;
         let result = operation
-            .retry(crate::backoff::forever(self.max_hold_backoff))
+            .retry(self.retry().hold())
             .sleep(tokio::time::sleep)
             .when(|error: &E| held(error))
             .notify(|error, wait| {
@@ -559,10 +565,6 @@ pub(crate) fn decode<H: Handler>(
     caught::call(|| check_event_id(handler.event_id(&event)))
         .map_err(|panic| Invalid::new(format!("reading its event id {panic}")))??;
     Ok(event)
-}
-
-fn is_infrastructure(failure: &Failure) -> bool {
-    failure.kind == FailureKind::Infrastructure
 }
 
 /// How long ago the producer published `delivery`: from its

@@ -44,7 +44,7 @@ pub(crate) async fn run(
     shutdown: &CancellationToken,
 ) -> String {
     let (mut consumers, mut tags) = (Vec::new(), Vec::new());
-    for delay in topology.waits() {
+    for delay in topology.retry.waits() {
         if delay > LONGEST_HELD {
             continue;
         }

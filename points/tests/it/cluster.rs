@@ -378,7 +378,7 @@ async fn a_node_lost_under_load(fault: Fault) -> anyhow::Result<()> {
         Duration::from_secs(60),
         || async {
             let mut empty = env.ready(&env.topology.queue).await? == 0;
-            for delay in &env.topology.retry_delays {
+            for delay in env.topology.retry.delays() {
                 empty &= env.ready(&env.topology.wait_queue(*delay)).await? == 0;
             }
             Ok(empty)

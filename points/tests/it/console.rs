@@ -202,7 +202,7 @@ async fn dead_lettered(
 ) -> anyhow::Result<RunningWorker> {
     env.publish_bodies(bodies).await?;
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 1;
+    config.topology.retry = config.topology.retry.clone().with_attempts(1);
     let worker = RunningWorker::start(config);
     wait_for("the dead letters", Duration::from_secs(30), || async {
         Ok(env.ready(&env.topology.dead_letter_queue).await? == letters)

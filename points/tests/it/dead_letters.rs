@@ -303,7 +303,7 @@ async fn a_limited_requeue_replays_that_many_with_fresh_budgets_and_leaves_the_r
         .collect();
     env.publish_events(&events).await?;
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 1;
+    config.topology.retry = config.topology.retry.clone().with_attempts(1);
     let worker = RunningWorker::start(config);
     wait_for(
         "every event dead-lettered",

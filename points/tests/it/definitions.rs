@@ -180,7 +180,7 @@ async fn declare_as_before(
         (topology.queue.clone(), table(&work)),
         (topology.dead_letter_queue.clone(), FieldTable::default()),
     ];
-    for delay in topology.waits() {
+    for delay in topology.retry.waits() {
         let mut wait = at_least_once.to_vec();
         wait.extend([
             (

@@ -173,7 +173,7 @@ async fn a_copy_that_arrives_after_its_event_ran_out_of_attempts_spends_no_more(
         points: 1,
     };
     let config = env.worker_config(Mode::Batch);
-    let attempts = u64::from(config.max_attempts);
+    let attempts = u64::from(config.topology.retry.attempts());
     let handler = Flawed {
         chosen: chosen.event_id.clone(),
         flaw: Flaw::SwallowsAnError,

@@ -220,7 +220,7 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
     env.poison_order("poison-order").await?;
     // A wait long enough to see the failing message in its wait queue.
     let topology = idem::broker::Topology {
-        retry_delays: vec![Duration::from_secs(60)],
+        retry: idem::RetryPolicy::default().with_delays(vec![Duration::from_secs(60)]),
         ..env.topology.clone()
     };
     env.declare(&topology).await?;

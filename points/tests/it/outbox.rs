@@ -467,7 +467,7 @@ async fn the_chain_applies_each_credit_once_downstream_though_both_workers_are_k
         WorkerProcess::start(command)
     };
     let points_topology = idem::broker::Topology {
-        retry_delays: crate::support::TEST_RETRY_DELAYS.to_vec(),
+        retry: idem::RetryPolicy::default().with_delays(crate::support::TEST_RETRY_DELAYS.to_vec()),
         ..idem_points::points::topology()
     };
     let upstream = || {

@@ -693,6 +693,36 @@ async fn a_prune_keeps_every_epoch_while_messages_wait_for_a_worker() -> anyhow:
     Ok(())
 }
 
+/// A vhost where no worker has run holds no work queue, so nothing waits
+/// there: a prune says so and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_on_a_vhost_where_no_worker_ran_says_there_is_no_queue_yet() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let vhost = crate::support::Vhost::add(".*", ".*", ".*")?;
+    let output = tokio::time::timeout(
+        crate::support::patient(Duration::from_secs(60)),
+        idem_command(&env, &vhost.amqp_url(), &database_url())
+            .args(["prune", "--older-than", "8d", "--dry-run"])
+            .output(),
+    )
+    .await??;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(output.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains(&format!(
+            "there is no work queue {} yet",
+            env.topology.queue
+        )),
+        "{text}"
+    );
+    assert!(text.contains("a dry run: nothing is changed"), "{text}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_with_a_retention_prunes_as_it_runs_and_refuses_a_window_too_short()
 -> anyhow::Result<()> {

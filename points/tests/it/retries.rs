@@ -65,7 +65,7 @@ impl Handler for Arrivals {
 /// removed with the test).
 async fn with_delays(env: &TestEnv, delays: &[Duration]) -> anyhow::Result<Topology> {
     let topology = Topology {
-        retry_delays: delays.to_vec(),
+        retry: idem::RetryPolicy::default().with_delays(delays.to_vec()),
         ..env.topology.clone()
     };
     env.declare(&topology).await?;
@@ -173,7 +173,7 @@ async fn a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempt
     let delays = [Duration::from_millis(300), Duration::from_millis(600)];
     let mut config = env.worker_config(mode);
     config.topology = with_delays(&env, &delays).await?;
-    config.max_attempts = 4;
+    config.topology.retry = config.topology.retry.clone().with_attempts(4);
     let event = PaymentSucceeded {
         event_id: format!("{}-never", env.name),
         order_id: "never-order".into(),
@@ -250,7 +250,7 @@ async fn killing_the_worker_while_messages_wait_loses_nothing_and_applies_nothin
     }
     let budget = copies.values().max().copied().unwrap_or(1) * 4;
     let topology = Topology {
-        retry_delays: vec![delay],
+        retry: idem::RetryPolicy::default().with_delays(vec![delay]),
         delivery_limit: budget * 2,
         ..env.topology.clone()
     };
@@ -412,7 +412,7 @@ async fn a_ledger_row_of_an_event_applied_since_is_neither_failing_nor_spent() -
 async fn a_wait_queue_deleted_under_the_worker_is_declared_and_consumed_again() -> anyhow::Result<()>
 {
     let env = TestEnv::new().await?;
-    let wait_queue = env.topology.wait_queue(env.topology.waits()[0]);
+    let wait_queue = env.topology.wait_queue(env.topology.retry.waits()[0]);
     let consumed = || async {
         // A queue that does not exist (yet) has no consumer.
         Ok(env.consumers(&wait_queue).await.unwrap_or(0) == 1)

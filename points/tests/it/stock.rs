@@ -25,7 +25,7 @@ use crate::support::{
 /// worker's; with the tests' short retry delays, which the example is told.
 fn topology() -> Topology {
     Topology {
-        retry_delays: TEST_RETRY_DELAYS.to_vec(),
+        retry: idem::RetryPolicy::default().with_delays(TEST_RETRY_DELAYS.to_vec()),
         ..Topology::for_queue("stock.reservations").bound_to("inventory", "stock.reserve")
     }
 }
@@ -112,7 +112,7 @@ impl StockEnv {
             .env(vars::MODE, mode.as_flag())
             .env(
                 vars::RETRY_DELAYS,
-                idem::duration::format_list(&topology().retry_delays),
+                idem::duration::format_list(topology().retry.delays()),
             )
             .stdin(std::process::Stdio::null())
             .kill_on_drop(true);

@@ -64,7 +64,7 @@ async fn dead_letters_of_every_kind(env: &TestEnv) -> anyhow::Result<Letters> {
     bodies.push(applied.to_body());
     env.publish_bodies(&bodies).await?;
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 2;
+    config.topology.retry = config.topology.retry.clone().with_attempts(2);
     let worker = RunningWorker::start(config);
     wait_for("the dead letters", Duration::from_secs(30), || async {
         Ok(env.ready(&env.topology.dead_letter_queue).await? == 5)
@@ -557,7 +557,7 @@ async fn two_dead_copies_of_one_event_both_match_its_error() -> anyhow::Result<(
     };
     env.publish_events(&[event.clone(), event.clone()]).await?;
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 2;
+    config.topology.retry = config.topology.retry.clone().with_attempts(2);
     let worker = RunningWorker::start(config);
     wait_for("both copies dead", Duration::from_secs(30), || async {
         Ok(env.ready(&env.topology.dead_letter_queue).await? == 2)
@@ -767,7 +767,7 @@ async fn status_and_summary_count_from_the_index_and_take_no_letter_off_the_queu
     }));
     env.publish_bodies(&bodies).await?;
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 2;
+    config.topology.retry = config.topology.retry.clone().with_attempts(2);
     let worker = RunningWorker::start(config);
     wait_for("the dead letters", Duration::from_secs(30), || async {
         Ok(env.ready(&dead_letters).await? == 5)
@@ -901,7 +901,7 @@ async fn a_replay_stops_once_it_found_the_matches_the_index_counts_when_it_count
         })
         .collect();
     let mut config = env.worker_config(Mode::Batch);
-    config.max_attempts = 1;
+    config.topology.retry = config.topology.retry.clone().with_attempts(1);
     let worker = RunningWorker::start(config);
     env.publish_bodies(&poisoned).await?;
     wait_for("the failed events", Duration::from_secs(30), || async {

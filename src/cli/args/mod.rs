@@ -20,6 +20,7 @@ use crate::commands::status::StatusConfig;
 use crate::dlq::{Action, DlqConfig, Filter, View};
 use crate::duration;
 use crate::relay::RelayConfig;
+use crate::retry::{RetryError, RetryPolicy};
 use crate::secret::SecretUrl;
 use crate::store::DatabaseConfig;
 use crate::vars;
@@ -160,7 +161,7 @@ pub(crate) struct QueueArgs {
     #[arg(
         long,
         env = vars::RETRY_DELAYS,
-        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
+        default_value_t = Delays(RetryPolicy::DEFAULT_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
     /// Replicas of each quorum queue idem creates (x-quorum-initial-group-size);
@@ -181,7 +182,7 @@ impl QueueArgs {
     /// group is looked at).
     pub(crate) fn looked_at(&self) -> Topology {
         Topology {
-            retry_delays: self.retry_delays.0.clone(),
+            retry: RetryPolicy::default().with_delays(self.retry_delays.0.clone()),
             dead_letter_exchange: self.dead_letter_exchange.clone(),
             dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
             ..Topology::for_queue(&self.queue)
@@ -240,7 +241,7 @@ impl std::str::FromStr for Delays {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        duration::parse_list(text, Topology::MAX_RETRY_DELAY).map(Delays)
+        duration::parse_list(text, RetryPolicy::MAX_DELAY).map(Delays)
     }
 }
 
@@ -309,6 +310,8 @@ impl SettingError {
                  the extra two serve the failure ledger while transactions hold the others"
             ),
             ConfigError::Zero(field) => format!("--{} must be at least 1", field.replace('_', "-")),
+            ConfigError::Retry(RetryError::NoAttempt) => "--max-attempts must be at least 1".into(),
+            ConfigError::Retry(error) => format!("--retry-delays: {error}"),
         })
     }
 }
@@ -383,7 +386,7 @@ impl GroupArgs {
 pub(crate) fn topology(route: &RouteArgs, queues: &QueueArgs) -> Topology {
     Topology {
         delivery_limit: queues.delivery_limit,
-        retry_delays: queues.retry_delays.0.clone(),
+        retry: RetryPolicy::default().with_delays(queues.retry_delays.0.clone()),
         quorum_size: queues.quorum_size,
         dead_letter_exchange: queues.dead_letter_exchange.clone(),
         dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),

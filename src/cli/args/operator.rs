@@ -83,9 +83,18 @@ pub(crate) struct PruneArgs {
     #[arg(
         long,
         env = vars::RETRY_DELAYS,
-        default_value_t = Delays(Topology::DEFAULT_RETRY_DELAYS.to_vec())
+        default_value_t = Delays(RetryPolicy::DEFAULT_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
+    /// The group's attempts (as the worker's --max-attempts): a message
+    /// waits through the delays before each of them.
+    #[arg(
+        long,
+        env = vars::MAX_ATTEMPTS,
+        default_value_t = RetryPolicy::DEFAULT_ATTEMPTS,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
+    )]
+    pub(crate) max_attempts: u32,
     /// The group's work queue: while messages wait there and no worker
     /// consumes it, no epoch is dropped.
     #[arg(long, env = vars::QUEUE, help_heading = "Topology")]
@@ -103,7 +112,7 @@ impl PruneArgs {
                 self.target.config(Filter::default(), None)?,
                 self.queue.clone(),
                 self.older_than.0,
-                &self.retry_delays,
+                RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts),
             )
         })
     }
@@ -117,14 +126,14 @@ impl RetentionArgs {
         target: DlqConfig,
         work_queue: String,
         older_than: Duration,
-        retry_delays: &Delays,
+        retry: RetryPolicy,
     ) -> PruneSettings {
         PruneSettings {
             target,
             work_queue,
             older_than,
             min_retention: self.min_retention.0,
-            retry_delays: retry_delays.0.clone(),
+            retry,
             epoch_length: PruneSettings::epoch_length(
                 older_than,
                 self.epoch_length.as_ref().map(|length| length.0),

@@ -19,7 +19,7 @@ pub(crate) struct WorkerArgs<F: Args> {
     #[arg(
         long,
         env = vars::MAX_ATTEMPTS,
-        default_value_t = WorkerConfig::DEFAULT_MAX_ATTEMPTS,
+        default_value_t = RetryPolicy::DEFAULT_ATTEMPTS,
         value_parser = clap::value_parser!(u32).range(1..=1000)
     )]
     pub(crate) max_attempts: u32,
@@ -255,6 +255,15 @@ impl RelayArgs {
 }
 
 impl<F: Args> WorkerArgs<F> {
+    /// The worker's topology, its retry policy with `--max-attempts`.
+    fn topology(&self) -> Topology {
+        let topology = topology(&self.route, &self.queues);
+        Topology {
+            retry: topology.retry.clone().with_attempts(self.max_attempts),
+            ..topology
+        }
+    }
+
     /// With --retention, the settings of the worker's pruner, checked
     /// against the safety rule.
     pub(crate) fn pruner(&self) -> Result<Option<(PruneSettings, Duration)>, SettingError> {
@@ -275,7 +284,7 @@ impl<F: Args> WorkerArgs<F> {
             target,
             self.queues.queue.clone(),
             window.0,
-            &self.queues.retry_delays,
+            self.topology().retry,
         );
         settings
             .check_window()
@@ -298,7 +307,7 @@ impl<F: Args> WorkerArgs<F> {
             self.mode,
             self.amqp.config(),
             self.database.config(DatabaseConfig::DEFAULT_POOL_SIZE),
-            topology(&self.route, &self.queues),
+            self.topology(),
             self.group.consumer_group()?,
         );
         let max_in_flight = self
@@ -324,7 +333,6 @@ impl<F: Args> WorkerArgs<F> {
             batch_wait: self.batch_wait.0,
             max_in_flight,
             lanes: self.lanes.map_or(defaults.lanes, |n| n as usize),
-            max_attempts: self.max_attempts,
             max_body_bytes: self.max_body_bytes,
             kept_body_bytes: self.kept_body_bytes,
             shutdown_timeout: self.shutdown_timeout.0,

@@ -89,7 +89,7 @@ impl TestEnv {
         let pool = database.pool()?;
         migrate::run::<idem_points::points::Points>(&pool, Some(&schema)).await?;
         let topology = Topology {
-            retry_delays: TEST_RETRY_DELAYS.to_vec(),
+            retry: idem::RetryPolicy::default().with_delays(TEST_RETRY_DELAYS.to_vec()),
             ..idem_points::points::topology().prefixed(&format!("{}.", name.replace('_', "-")))
         };
         let amqp = AmqpConfig::new(SecretUrl::new(amqp_url));
@@ -405,7 +405,7 @@ impl TestEnv {
             .collect();
         self.publish_events(&events).await?;
         let mut config = self.worker_config(Mode::PerMessage);
-        config.max_attempts = 1;
+        config.topology.retry = config.topology.retry.clone().with_attempts(1);
         let worker = RunningWorker::start(config);
         wait_for(
             "every event dead-lettered",
