@@ -45,6 +45,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(15, "0015_console.sql"),
     migration!(16, "0016_records_without_id_key.sql"),
     migration!(17, "0017_outbox_batches.sql"),
+    migration!(18, "0018_points_table_leaves_the_baseline.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of
@@ -448,6 +449,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 17);
+        assert_eq!(latest(MIGRATIONS), 18);
     }
 }

@@ -200,3 +200,25 @@ async fn a_check_of_a_correct_handler_passes() -> anyhow::Result<()> {
     assert_eq!((report.events, report.invalid), (120, 1));
     Ok(())
 }
+
+/// A team's schema holds idem's tables and the team's, and no table of the
+/// points service's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_migrated_for_a_teams_handler_holds_no_points_table() -> anyhow::Result<()> {
+    with_env::<Deposits, _, _>(deposits::topology(), |env| async move {
+        let tables = |name: &'static str| {
+            let env = std::sync::Arc::clone(&env);
+            async move {
+                env.number(&format!(
+                    "SELECT (to_regclass('{name}') IS NOT NULL)::int::bigint"
+                ))
+                .await
+            }
+        };
+        assert_eq!(tables("balances").await?, 1);
+        assert_eq!(tables("mq_consume_record").await?, 1);
+        assert_eq!(tables("user_points").await?, 0);
+        Ok(())
+    })
+    .await
+}

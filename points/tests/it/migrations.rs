@@ -175,6 +175,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0015_console.sql",
             "0016_records_without_id_key.sql",
             "0017_outbox_batches.sql",
+            "0018_points_table_leaves_the_baseline.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -398,6 +399,53 @@ impl<const N: usize> Handler for Notes<N> {
     }
 }
 
+/// A schema starts without the points handler's table unless the points
+/// handler migrates it; a schema an older idem migrated keeps the table it
+/// was given, with what it holds, whatever handler migrates it next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_points_handler_gives_a_new_schema_its_table_and_an_old_schema_keeps_it()
+-> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let has_points = |schema: &Schema| {
+        let pool = schema.pool.clone();
+        async move {
+            let client = pool.get().await?;
+            let row = client
+                .query_one("SELECT to_regclass('user_points') IS NOT NULL", &[])
+                .await?;
+            anyhow::Ok(row.get::<_, bool>(0))
+        }
+    };
+    let notes = Schema::beside(&env, "notes")?;
+    migrate::run::<Notes<TWO>>(&notes.pool, Some(&notes.name)).await?;
+    assert!(
+        !has_points(&notes).await?,
+        "a schema for notes has user_points"
+    );
+
+    let points = Schema::beside(&env, "pts")?;
+    migrate::run::<Points>(&points.pool, Some(&points.name)).await?;
+    assert!(
+        has_points(&points).await?,
+        "a schema for points lacks user_points"
+    );
+
+    let old = Schema::left_by(&env, "old", 17).await?;
+    old.sql("INSERT INTO user_points VALUES ('order-1', 7)")
+        .await?;
+    migrate::run::<Notes<TWO>>(&old.pool, Some(&old.name)).await?;
+    let client = old.pool.get().await?;
+    let kept: i64 = client
+        .query_one(
+            "SELECT points FROM user_points WHERE order_id = 'order-1'",
+            &[],
+        )
+        .await?
+        .get(0);
+    assert_eq!(kept, 7);
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_handler_has_a_migration_history_of_its_own() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
@@ -583,16 +631,17 @@ async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migrat
 
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
     assert_eq!(
-        applied[..5],
+        applied[..6],
         [
             "0014_migration_checksums.sql",
             "0015_console.sql",
             "0016_records_without_id_key.sql",
             "0017_outbox_batches.sql",
+            "0018_points_table_leaves_the_baseline.sql",
             "points/0001_user_points.sql"
         ]
     );
-    let functions: Vec<&str> = applied[5..].iter().map(String::as_str).collect();
+    let functions: Vec<&str> = applied[6..].iter().map(String::as_str).collect();
     assert!(
         functions.len() == 11
             && functions.contains(&"functions/mq_claim.sql")
