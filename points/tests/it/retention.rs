@@ -532,7 +532,7 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
     .await?;
     assert_eq!(code, Some(1), "{text}");
     assert!(
-        text.contains("not longer than the retry delays together"),
+        text.contains("not longer than a message's retries wait in all (150m)"),
         "{text}"
     );
 
