@@ -10,18 +10,18 @@ use tokio::time::Instant;
 
 /// How long a long-running process (the worker, a relay) keeps trying to
 /// reconnect after its first connection: as long as it takes.
-pub const RECONNECT_PATIENCE: Duration = Duration::from_secs(365 * 24 * 3600);
+pub(crate) const RECONNECT_PATIENCE: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Waiting for a service to come up: 200 ms to 5 s between attempts, the
 /// last one at `patience` after the first, not before (the last wait is cut
 /// to what is left).
-pub fn until(patience: Duration) -> Until {
+pub(crate) fn until(patience: Duration) -> Until {
     Until { patience }
 }
 
 /// Holding work while a service is down: 100 ms up to `max_delay` between
 /// attempts, for as long as it takes.
-pub fn forever(max_delay: Duration) -> ExponentialBuilder {
+pub(crate) fn forever(max_delay: Duration) -> ExponentialBuilder {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(max_delay)
@@ -32,7 +32,7 @@ pub fn forever(max_delay: Duration) -> ExponentialBuilder {
 /// Builds a [`Deadline`]: the clock starts when it is built, that is when
 /// the first attempt is made.
 #[derive(Debug, Clone, Copy)]
-pub struct Until {
+pub(crate) struct Until {
     patience: Duration,
 }
 
@@ -54,7 +54,7 @@ impl BackoffBuilder for Until {
 
 /// Exponential waits up to a deadline; the last wait ends on it.
 #[derive(Debug)]
-pub struct Deadline {
+pub(crate) struct Deadline {
     waits: ExponentialBackoff,
     deadline: Instant,
 }
@@ -74,7 +74,7 @@ impl Iterator for Deadline {
 /// The end of a log line about a wait: `retrying in 0.6s, for 27s more`,
 /// the second half only when there is a `deadline` worth saying (the
 /// patience of a long-running process is a year).
-pub fn retrying(wait: Duration, deadline: Instant) -> String {
+pub(crate) fn retrying(wait: Duration, deadline: Instant) -> String {
     let left = deadline.saturating_duration_since(Instant::now());
     let wait = format!("retrying in {:.1}s", wait.as_secs_f64());
     if left > Duration::from_secs(24 * 3600) {

@@ -139,16 +139,15 @@
 //! - [`secret`] — connection strings that never print their password.
 //! - [`telemetry`] — logging, and the trace context across the broker.
 //!
-//! Modules hidden from these pages (`vars`, `duration`, `progress`,
-//! `backoff`, `tls`, `program`, `probe`, `trial`) and hidden items of the
-//! others serve idem's own binaries and tests: they are not part of the API
-//! and change without notice.
+//! Hidden items of these modules, and the modules that the unstable
+//! `internals` feature makes public (`vars`, `duration`, `progress`, `tls`,
+//! `probe`, `trial`), serve idem's own binaries and tests: they are not part
+//! of the API and change without notice.
 
 // The crate docs link to the modules of the default features.
 #![cfg_attr(not(feature = "cli"), allow(rustdoc::broken_intra_doc_links))]
 
-#[doc(hidden)]
-pub mod backoff;
+mod backoff;
 pub mod broker;
 mod caught;
 pub mod check;
@@ -158,28 +157,39 @@ pub mod commands;
 #[cfg(feature = "console")]
 pub mod console;
 pub mod dlq;
-#[doc(hidden)]
-pub mod duration;
 pub mod error;
 pub mod handler;
-#[doc(hidden)]
-pub mod probe;
-#[doc(hidden)]
-pub mod program;
-#[doc(hidden)]
-pub mod progress;
+mod program;
 pub mod relay;
 pub mod retry;
 pub mod secret;
 pub mod store;
 pub mod telemetry;
-#[doc(hidden)]
-pub mod tls;
-#[doc(hidden)]
-pub mod trial;
-#[doc(hidden)]
-pub mod vars;
 pub mod worker;
+
+/// Declares modules that idem's own tools (the points service's binary,
+/// bench, lab and suite) reach into: public with the `internals` feature,
+/// which is unstable and hidden from these pages, and the crate's own
+/// otherwise.
+macro_rules! internal_modules {
+    ($($name:ident,)*) => {$(
+        #[cfg(feature = "internals")]
+        #[doc(hidden)]
+        pub mod $name;
+        #[cfg(not(feature = "internals"))]
+        #[allow(dead_code, unreachable_pub, unused_imports)]
+        pub(crate) mod $name;
+    )*};
+}
+
+internal_modules! {
+    duration,
+    probe,
+    progress,
+    tls,
+    trial,
+    vars,
+}
 
 pub use broker::{AmqpConfig, Exchange, ExchangeKind, Topology};
 pub use check::{CheckConfig, CheckReport};

@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 static NAME: OnceLock<String> = OnceLock::new();
 
 /// The binary's name, in the hints of idem's messages.
-pub fn name() -> &'static str {
+pub(crate) fn name() -> &'static str {
     NAME.get().map_or("idem", String::as_str)
 }
 

@@ -71,3 +71,31 @@ fn only_the_retry_policy_knows_the_delays_and_the_attempts() -> anyhow::Result<(
     );
     Ok(())
 }
+
+/// What the crate root makes public is public to every service: a module
+/// hidden from the docs is public only under the unstable `internals`
+/// feature that idem's own tools turn on.
+#[test]
+fn no_module_of_the_root_is_public_but_hidden_unless_for_the_internals() -> anyhow::Result<()> {
+    let lib = std::fs::read_to_string(root().join("src/lib.rs"))?;
+    let lines: Vec<&str> = lib.lines().map(str::trim).collect();
+    let mut hidden = Vec::new();
+    for (index, line) in lines.iter().enumerate() {
+        if !line.starts_with("pub mod ") {
+            continue;
+        }
+        // The attributes right above the declaration.
+        let first = lines[..index]
+            .iter()
+            .rposition(|line| !line.starts_with("#["))
+            .map_or(0, |at| at + 1);
+        let before = &lines[first..index];
+        let is_hidden = before.contains(&"#[doc(hidden)]");
+        let is_internal = before.contains(&"#[cfg(feature = \"internals\")]");
+        if is_hidden && !is_internal {
+            hidden.push(*line);
+        }
+    }
+    assert!(hidden.is_empty(), "public and hidden: {hidden:?}");
+    Ok(())
+}
