@@ -134,6 +134,8 @@
 //! - [`commands`] — what the other commands do: `status`, `prune`,
 //!   `reconcile`; their error is an [`error::CommandError`].
 //! - [`relay`] — the outbox relay, in the worker or on its own.
+//! - [`companions`] — what runs beside a worker in its process: the
+//!   console's pages and the pruner.
 //! - [`retry`] — the retry policy: attempts, delays, and what each kind of
 //!   failure does.
 //! - [`secret`] — connection strings that never print their password.
@@ -154,6 +156,7 @@ pub mod check;
 #[cfg(feature = "cli")]
 pub mod cli;
 pub mod commands;
+pub mod companions;
 #[cfg(feature = "console")]
 pub mod console;
 pub mod dlq;
@@ -195,6 +198,7 @@ pub use broker::{AmqpConfig, Exchange, ExchangeKind, Topology};
 pub use check::{CheckConfig, CheckReport};
 #[cfg(feature = "cli")]
 pub use cli::Service;
+pub use companions::Companions;
 pub use error::CommandError;
 pub use handler::{
     FailureKind, GivenUp, Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Tally,

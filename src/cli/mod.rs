@@ -59,7 +59,7 @@ pub use args::{
 use crate::broker::{Exchange, Topology};
 use crate::check;
 use crate::commands::{prune, reconcile, status};
-use crate::console::{Console, ConsoleConfig};
+use crate::console::Console;
 use crate::dlq::{self, Printed};
 use crate::duration;
 use crate::handler::Handler;
@@ -577,44 +577,20 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 }
             }
             Command::Worker(args) => {
-                let args = *args;
                 let mut config = args.config()?;
                 config.outgoing.clone_from(&self.outgoing);
                 let handler = Arc::new(handler);
-                if let (true, Some(addr)) = (args.console, config.http_addr) {
-                    let console = ConsoleConfig::new(
-                        config.amqp.clone(),
-                        crate::store::DatabaseConfig {
-                            pool_size: 4,
-                            ..config.database.clone()
-                        },
-                        config.topology.clone(),
-                        config.consumer_group.clone(),
-                        config.startup_timeout,
-                    );
-                    let console = args.console_access.applied(console, addr)?;
-                    let console =
-                        Console::new(console, Arc::clone(&handler), shutdown.clone()).await?;
-                    config.routes = Some(console.router());
-                }
-                let pruner = args.pruner()?.map(|(settings, interval)| {
-                    let shutdown = shutdown.child_token();
-                    let stop = shutdown.clone();
-                    let handler = Arc::clone(&handler);
-                    let task =
-                        tokio::spawn(prune::keep_pruning(settings, handler, interval, shutdown));
-                    (task, stop)
-                });
-                let start = WorkerStart {
-                    config,
-                    shutdown: shutdown.clone(),
+                let companions = args.companions(&config, &handler, &shutdown).await?;
+                let start = |config| {
+                    let start = WorkerStart {
+                        config,
+                        shutdown: shutdown.clone(),
+                    };
+                    args.own.start(Arc::clone(&handler), start)
                 };
-                let worked = args.own.start(handler, start).await;
-                if let Some((task, stop)) = pruner {
-                    stop.cancel();
-                    let _ = task.await;
-                }
-                worked?;
+                companions
+                    .around(config, Arc::clone(&handler), &shutdown, start)
+                    .await?;
             }
             Command::Relay(args) => {
                 return relay_outbox::<H>(&args, &self.outgoing, &shutdown).await;

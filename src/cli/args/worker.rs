@@ -1,7 +1,14 @@
 //! The flags of the commands that run idem: `migrate`, `worker`, `relay`
 //! and `check`.
 
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
 use super::*;
+use crate::companions::Companions;
+use crate::console::{Console, ConsoleConfig};
+use crate::handler::Handler;
 
 /// `migrate`.
 #[derive(Debug, Args)]
@@ -264,9 +271,39 @@ impl<F: Args> WorkerArgs<F> {
         }
     }
 
+    /// What runs beside the worker, as the flags say: the console on
+    /// `--http-addr` with `--console`, the pruner with `--retention`.
+    pub(crate) async fn companions<H: Handler>(
+        &self,
+        config: &WorkerConfig,
+        handler: &Arc<H>,
+        shutdown: &CancellationToken,
+    ) -> anyhow::Result<Companions<H>> {
+        let mut companions = Companions::new();
+        if let (true, Some(addr)) = (self.console, config.http_addr) {
+            let console = ConsoleConfig::new(
+                config.amqp.clone(),
+                DatabaseConfig {
+                    pool_size: 4,
+                    ..config.database.clone()
+                },
+                config.topology.clone(),
+                config.consumer_group.clone(),
+                config.startup_timeout,
+            );
+            let console = self.console_access.applied(console, addr)?;
+            let console = Console::new(console, Arc::clone(handler), shutdown.clone()).await?;
+            companions = companions.console(console);
+        }
+        if let Some((settings, interval)) = self.pruner()? {
+            companions = companions.pruning(settings, interval);
+        }
+        Ok(companions)
+    }
+
     /// With --retention, the settings of the worker's pruner, checked
     /// against the safety rule.
-    pub(crate) fn pruner(&self) -> Result<Option<(PruneSettings, Duration)>, SettingError> {
+    fn pruner(&self) -> Result<Option<(PruneSettings, Duration)>, SettingError> {
         let Some(window) = &self.retention else {
             return Ok(None);
         };
