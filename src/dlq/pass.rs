@@ -90,12 +90,64 @@ pub(super) struct Pass<'a, H> {
     pub(super) consuming: &'a mut Option<u32>,
 }
 
+/// What a pass holds open while it runs.
+pub(super) struct Open {
+    /// The channel the letters are taken on, and acked or given back.
+    getter: Channel,
+    /// Where the letters come from.
+    taking: Taking,
+    /// Replays and moves to the tail go on one confirm channel, opened for
+    /// the first of either.
+    publisher: Option<ConfirmChannel>,
+    /// The replay rate, if any.
+    pacer: Option<Pacer>,
+    /// When a sync started: it indexes what it finds, and removes what was
+    /// indexed before that and not found.
+    sync_started: Option<SystemTime>,
+}
+
+/// Whether a pass goes on taking letters after a chunk.
+enum Next {
+    More,
+    Done,
+}
+
+impl Action {
+    /// Letters taken before they are acted on.
+    fn chunk_size(&self) -> usize {
+        match self {
+            Action::Sync => SYNC_CHUNK,
+            _ => CHUNK,
+        }
+    }
+
+    /// Whether the action acks the letters it acts on (the queue must have
+    /// applied every ack before the channel closes).
+    fn acks(&self) -> bool {
+        matches!(self, Action::Replay { .. } | Action::Discard { .. })
+    }
+}
+
 impl<H: Handler> Pass<'_, H> {
+    /// Takes the letters in chunks and acts on each chunk, then gives back
+    /// what it holds.
     pub(super) async fn run(
         mut self,
         connection: &lapin::Connection,
         shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
+        let mut open = self.open(connection).await?;
+        while !shutdown.is_cancelled() && self.wanted() != Some(0) && !self.found_all() {
+            if let Next::Done = self.chunk(&mut open, connection, shutdown).await? {
+                break;
+            }
+        }
+        self.finish(open, connection, shutdown).await
+    }
+
+    /// Opens the pass: waits for what a lost connection held to be back,
+    /// starts taking from the queue, and resets the report.
+    async fn open(&mut self, connection: &lapin::Connection) -> Result<Open, PassError> {
         let getter = connection.create_channel().await?;
         if let Some(others) = *self.consuming {
             await_released(
@@ -107,9 +159,7 @@ impl<H: Handler> Pass<'_, H> {
             .await?;
             *self.consuming = None;
         }
-        // Replays and moves to the tail go on one confirm channel, opened
-        // for the first of either.
-        let mut publisher = match self.action {
+        let publisher = match self.action {
             Action::Replay { .. } => Some(ConfirmChannel::open(connection).await?),
             _ => None,
         };
@@ -119,7 +169,6 @@ impl<H: Handler> Pass<'_, H> {
         self.report.listed.clear();
         self.report.failed.clear();
         self.report.skipped_invalid = 0;
-        let mut pacer = self.action.pacer();
         // A sync counts again from its own start: what an earlier pass
         // wrote is set, not added to.
         let sync_started = match self.action {
@@ -131,85 +180,130 @@ impl<H: Handler> Pass<'_, H> {
         };
         // At most what is in the queue when the pass starts: what dies while
         // it runs (a replay that fails again, say) is for the next run.
-        let mut taking =
-            Taking::start(&getter, &self.config.dead_letter_queue, self.consuming).await?;
+        let taking = Taking::start(&getter, &self.config.dead_letter_queue, self.consuming).await?;
         self.progress.set_total(taking.left as u64);
         self.report.in_queue = taking.left;
         self.report.limited = false;
         self.report.not_looked_at = 0;
         self.indexed_matches = self.indexed_matches(taking.left).await;
-        while !shutdown.is_cancelled() && self.wanted() != Some(0) && !self.found_all() {
-            let chunk_size = if matches!(self.action, Action::Sync) {
-                SYNC_CHUNK
-            } else {
-                CHUNK
-            };
-            let mut chunk: Vec<Letter> = taking
-                .next_chunk(&getter, chunk_size)
-                .await?
-                .into_iter()
-                .map(|delivery| self.letter(delivery))
-                .collect();
-            if chunk.is_empty() {
-                break;
-            }
-            self.report.seen += chunk.len();
-            self.progress.inc(chunk.len() as u64);
-            let matched = match sync_started {
-                Some(started) => {
-                    self.index(chunk, started).await?;
-                    Vec::new()
-                }
-                None => {
-                    self.look_up(&mut chunk).await;
-                    self.matching(chunk)
-                }
-            };
-            match self.action {
-                Action::List => {
-                    for letter in matched {
-                        self.report.listed.push(letter.entry.clone());
-                        self.held.push(letter.delivery.into());
-                    }
-                }
-                Action::Replay {
-                    include_invalid, ..
-                } => {
-                    let (valid, invalid): (Vec<_>, Vec<_>) = matched
-                        .into_iter()
-                        .partition(|letter| letter.entry.event_id.is_some());
-                    let mut replay = valid;
-                    if *include_invalid {
-                        replay.extend(invalid);
-                    } else {
-                        self.report.skipped_invalid += invalid.len();
-                        self.held
-                            .extend(invalid.into_iter().map(|letter| letter.delivery.into()));
-                    }
-                    if let Some(publisher) = &mut publisher {
-                        self.replay(&getter, connection, publisher, replay, &mut pacer, shutdown)
-                            .await?;
-                    }
-                }
-                Action::Discard { .. } => self.discard(&getter, matched).await?,
-                // Indexed above, whatever the filter.
-                Action::Sync => {}
-            }
-            if taking.left == 0 {
-                break;
-            }
-            if self.held.len() >= HOLD {
-                let publisher = match &mut publisher {
-                    Some(publisher) => publisher,
-                    None => publisher.insert(ConfirmChannel::open(connection).await?),
-                };
-                self.move_to_tail(&getter, connection, publisher, shutdown)
-                    .await?;
-                if self.held.len() >= HOLD {
-                    break;
-                }
+        Ok(Open {
+            getter,
+            taking,
+            publisher,
+            pacer: self.action.pacer(),
+            sync_started,
+        })
+    }
+
+    /// Takes one chunk of letters and acts on those that match; moves what
+    /// the pass holds to the tail when it holds too many.
+    async fn chunk(
+        &mut self,
+        open: &mut Open,
+        connection: &lapin::Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<Next, PassError> {
+        let mut chunk: Vec<Letter> = open
+            .taking
+            .next_chunk(&open.getter, self.action.chunk_size())
+            .await?
+            .into_iter()
+            .map(|delivery| self.letter(delivery))
+            .collect();
+        if chunk.is_empty() {
+            return Ok(Next::Done);
+        }
+        self.report.seen += chunk.len();
+        self.progress.inc(chunk.len() as u64);
+        match open.sync_started {
+            // Indexed whatever the filter; nothing moves.
+            Some(started) => self.index(chunk, started).await?,
+            None => {
+                self.look_up(&mut chunk).await;
+                let matched = self.matching(chunk);
+                self.act(open, connection, matched, shutdown).await?;
             }
         }
+        if open.taking.left == 0 {
+            return Ok(Next::Done);
+        }
+        if self.held.len() >= HOLD {
+            let publisher = match &mut open.publisher {
+                Some(publisher) => publisher,
+                None => open
+                    .publisher
+                    .insert(ConfirmChannel::open(connection).await?),
+            };
+            self.move_to_tail(&open.getter, connection, publisher, shutdown)
+                .await?;
+            if self.held.len() >= HOLD {
+                return Ok(Next::Done);
+            }
+        }
+        Ok(Next::More)
+    }
+
+    /// Does the pass's action to the letters of a chunk that match.
+    async fn act(
+        &mut self,
+        open: &mut Open,
+        connection: &lapin::Connection,
+        matched: Vec<Letter>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PassError> {
+        match self.action {
+            Action::List => {
+                for letter in matched {
+                    self.report.listed.push(letter.entry.clone());
+                    self.held.push(letter.delivery.into());
+                }
+            }
+            Action::Replay {
+                include_invalid, ..
+            } => {
+                let (mut replay, invalid): (Vec<_>, Vec<_>) = matched
+                    .into_iter()
+                    .partition(|letter| letter.entry.event_id.is_some());
+                if *include_invalid {
+                    replay.extend(invalid);
+                } else {
+                    self.report.skipped_invalid += invalid.len();
+                    self.held
+                        .extend(invalid.into_iter().map(|letter| letter.delivery.into()));
+                }
+                if let Some(publisher) = &mut open.publisher {
+                    self.replay(
+                        &open.getter,
+                        connection,
+                        publisher,
+                        replay,
+                        &mut open.pacer,
+                        shutdown,
+                    )
+                    .await?;
+                }
+            }
+            Action::Discard { .. } => self.discard(&open.getter, matched).await?,
+            Action::Sync => {}
+        }
+        Ok(())
+    }
+
+    /// Says why the pass stopped, ends a sync, and gives back what the
+    /// pass holds, once the queue applied its acks.
+    async fn finish(
+        mut self,
+        open: Open,
+        connection: &lapin::Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PassError> {
+        let Open {
+            getter,
+            taking,
+            publisher,
+            sync_started,
+            ..
+        } = open;
         if self.found_all() {
             self.report.not_looked_at = taking.left;
         } else if self.wanted() == Some(0) {
@@ -224,7 +318,7 @@ impl<H: Handler> Pass<'_, H> {
             let removed = self.store.dead_letters_synced(started, letters).await?;
             self.report.synced.get_or_insert_default().removed = removed;
         }
-        if matches!(self.action, Action::Replay { .. } | Action::Discard { .. }) {
+        if self.action.acks() {
             // A quorum queue loses acks sent just before their channel
             // closes (the close returns what the queue has not settled
             // yet; seen on 3.10 and 4.0): a get on the same channel is
