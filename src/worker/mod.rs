@@ -20,14 +20,15 @@ mod stats;
 use std::sync::Arc;
 use std::time::Duration;
 
+use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{DeliveryTag, FieldTable};
 use lapin::{Channel, Connection};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, error, field, info, info_span, warn};
+use tracing::{Instrument, Span, error, field, info, info_span, warn};
 
 pub use config::{
     ConfigError, MAX_CONSUMER_GROUP_CHARS, Mode, Tuning, WorkerConfig, check_consumer_group,
@@ -144,22 +145,7 @@ impl<H: Handler> Worker<H> {
             ),
             None => None,
         };
-        let pool = self.config.database.pool()?;
-        let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
-        let mut store = Store::new(pool, self.config.consumer_group.clone())
-            .with_filters(filters)
-            .with_kept_body_bytes(self.config.kept_body_bytes);
-        if self.config.lanes > 0 {
-            let pool_of = |pool_size| {
-                DatabaseConfig {
-                    pool_size,
-                    ..self.config.database.clone()
-                }
-                .pool()
-            };
-            let lanes = self.config.lanes;
-            store = store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?));
-        }
+        let store = self.store()?;
         let epochs_pool = epochs::pool(&self.config.database)?;
         match store
             .wait_until_ready::<H>(
@@ -223,48 +209,80 @@ impl<H: Handler> Worker<H> {
             .transpose()?;
         let result = reconnecting(&config, &processor, &shutdown).await;
         if let Some(relay) = relay {
-            // Stopped once the consumer has drained (or failed): what the
-            // last batches wrote goes out now if the relay is quick, or
-            // with the next relay to run.
-            relay.stop.cancel();
-            match relay.task.await {
-                Ok(Ok(report)) => crate::relay::log_report(&report),
-                Ok(Err(_)) => {}
-                Err(error) => warn!(%error, "the relay failed"),
-            }
+            relay.stop().await;
         }
         summary.abort();
         keeper.abort();
         if let Some(endpoints) = endpoints {
             endpoints.abort();
         }
-        let totals = stats.snapshot();
-        // A worker that never consumed has nothing to total: its error is
-        // the one line to read.
-        if totals.sessions == 0 {
-            return result;
-        }
-        info!(
-            applied = totals.applied,
-            duplicates = totals.duplicates,
-            invalid = totals.invalid,
-            retried = totals.retried,
-            dead_lettered = totals.dead_lettered,
-            "worker stopped: applied {}, duplicates {}, invalid {}, retried {}, dead-lettered {}",
-            totals.applied,
-            totals.duplicates,
-            totals.invalid,
-            totals.retried,
-            totals.dead_lettered
-        );
+        log_totals(&stats);
         result
     }
+
+    /// The store the worker claims through: its pool, the closed epochs'
+    /// filters, and the lanes of a handler with a tally.
+    fn store(&self) -> Result<Store, WorkerError> {
+        let pool = self.config.database.pool()?;
+        let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
+        let store = Store::new(pool, self.config.consumer_group.clone())
+            .with_filters(filters)
+            .with_kept_body_bytes(self.config.kept_body_bytes);
+        if self.config.lanes == 0 {
+            return Ok(store);
+        }
+        let pool_of = |pool_size| {
+            DatabaseConfig {
+                pool_size,
+                ..self.config.database.clone()
+            }
+            .pool()
+        };
+        let lanes = self.config.lanes;
+        Ok(store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?)))
+    }
+}
+
+/// The totals of a worker that stopped; nothing for one that never
+/// consumed, whose error is the one line to read.
+fn log_totals(stats: &Stats) {
+    let totals = stats.snapshot();
+    if totals.sessions == 0 {
+        return;
+    }
+    info!(
+        applied = totals.applied,
+        duplicates = totals.duplicates,
+        invalid = totals.invalid,
+        retried = totals.retried,
+        dead_lettered = totals.dead_lettered,
+        "worker stopped: applied {}, duplicates {}, invalid {}, retried {}, dead-lettered {}",
+        totals.applied,
+        totals.duplicates,
+        totals.invalid,
+        totals.retried,
+        totals.dead_lettered
+    );
 }
 
 /// A relay running beside the consumer, and what stops it.
 struct RelayTask {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<Result<crate::relay::RelayReport, crate::relay::RelayError>>,
+}
+
+impl RelayTask {
+    /// Stops the relay once the consumer has drained (or failed): what the
+    /// last batches wrote goes out now if the relay is quick, or with the
+    /// next relay to run.
+    async fn stop(self) {
+        self.stop.cancel();
+        match self.task.await {
+            Ok(Ok(report)) => crate::relay::log_report(&report),
+            Ok(Err(_)) => {}
+            Err(error) => warn!(%error, "the relay failed"),
+        }
+    }
 }
 
 /// Starts a relay on a pool of its own (as many connections as its lanes
@@ -427,6 +445,68 @@ async fn session<H: Handler>(
 /// Consumes and settles on one channel until it fails (`lost` resolves, or
 /// the consumer errs), or until shutdown cancels the consumer and everything
 /// taken is settled.
+/// The span of a batch, following the trace context its messages carry.
+fn batch_span(config: &WorkerConfig, batch: &[Delivery]) -> Span {
+    let span = info_span!(
+        "batch",
+        delivery.first_tag = batch[0].delivery_tag,
+        batch.size = batch.len(),
+        otel.name = field::Empty,
+        otel.kind = field::Empty,
+    );
+    if trace::on() {
+        trace::follow(
+            &span,
+            config.topology.queue.as_str(),
+            &config.consumer_group,
+            batch.iter().map(|d| d.properties.headers().as_ref()),
+        );
+    }
+    span
+}
+
+/// Processes `batch` (whose delivery tags are `tags`), sends the copies it
+/// decided on (to wait, to die), and hands every settlement to `settler`;
+/// a panic gives the batch back. `permit` is its place among the
+/// transactions in flight, and `counted` counts it in flight until done.
+async fn settle_batch<H: Handler>(
+    processor: Arc<Processor<H>>,
+    forwarder: Arc<Forwarder>,
+    settler: Settler,
+    batch: Vec<Delivery>,
+    tags: Vec<DeliveryTag>,
+    permit: OwnedSemaphorePermit,
+    counted: InFlight,
+) {
+    let _counted = counted;
+    let mut permit = Some(permit);
+    // The transaction's and the wait's futures are several kilobytes:
+    // boxed, they are built once the task runs, and the task moved into
+    // the runtime stays small. Unboxed, the copies cost per-message mode
+    // about a tenth more worker CPU per message (`idem bench`).
+    let processing = Box::pin(processor.process(batch, &mut permit));
+    let settlements = match caught::future(processing).await {
+        Ok(mut decided) => {
+            if !decided.waiting.is_empty() || !decided.dead.is_empty() {
+                let topology = &processor.topology;
+                let waiting = std::mem::take(&mut decided.waiting)
+                    .into_iter()
+                    .map(|waiting| Copy::to_wait(topology, waiting));
+                let dead = std::mem::take(&mut decided.dead)
+                    .into_iter()
+                    .map(|delivery| Copy::to_die(topology, delivery));
+                let copies = waiting.chain(dead).collect();
+                let sent = Box::pin(forward::send(&forwarder, copies));
+                decided.settlements.extend(sent.await);
+            }
+            decided.settlements
+        }
+        Err(panic) => given_back(&processor.stats, tags, &panic),
+    };
+    settler.settle(settlements);
+    drop(permit);
+}
+
 async fn consume<H: Handler>(
     config: &WorkerConfig,
     channel: &Channel,
@@ -485,57 +565,18 @@ async fn consume<H: Handler>(
         };
         let tags: Vec<_> = batch.iter().map(|d| d.delivery_tag).collect();
         settler.track(tags.clone());
-        let span = info_span!(
-            "batch",
-            delivery.first_tag = batch[0].delivery_tag,
-            batch.size = batch.len(),
-            otel.name = field::Empty,
-            otel.kind = field::Empty,
-        );
-        if trace::on() {
-            trace::follow(
-                &span,
-                config.topology.queue.as_str(),
-                &config.consumer_group,
-                batch.iter().map(|d| d.properties.headers().as_ref()),
-            );
-        }
-        let (processor, settler, forwarder) = (
-            Arc::clone(processor),
-            settler.clone(),
-            Arc::clone(forwarder),
-        );
+        let span = batch_span(config, &batch);
         let counted = InFlight::start(Arc::clone(&processor.stats));
-        // The transaction's and the wait's futures are several kilobytes:
-        // boxed, they are built once the task runs, and the task moved into
-        // the runtime stays small. Unboxed, the copies cost per-message mode
-        // about a tenth more worker CPU per message (`idem bench`).
         in_flight.spawn(
-            async move {
-                let _counted = counted;
-                let mut permit = Some(permit);
-                let processing = Box::pin(processor.process(batch, &mut permit));
-                let settlements = match caught::future(processing).await {
-                    Ok(mut decided) => {
-                        if !decided.waiting.is_empty() || !decided.dead.is_empty() {
-                            let topology = &processor.topology;
-                            let waiting = std::mem::take(&mut decided.waiting)
-                                .into_iter()
-                                .map(|waiting| Copy::to_wait(topology, waiting));
-                            let dead = std::mem::take(&mut decided.dead)
-                                .into_iter()
-                                .map(|delivery| Copy::to_die(topology, delivery));
-                            let copies = waiting.chain(dead).collect();
-                            let sent = Box::pin(forward::send(&forwarder, copies));
-                            decided.settlements.extend(sent.await);
-                        }
-                        decided.settlements
-                    }
-                    Err(panic) => given_back(&processor.stats, tags, &panic),
-                };
-                settler.settle(settlements);
-                drop(permit);
-            }
+            settle_batch(
+                Arc::clone(processor),
+                Arc::clone(forwarder),
+                settler.clone(),
+                batch,
+                tags,
+                permit,
+                counted,
+            )
             .instrument(span),
         );
         while in_flight.try_join_next().is_some() {}

@@ -28,7 +28,7 @@ use crate::handler::{FailureKind, GivenUp, Handler, Invalid, check_event_id};
 use crate::probe::{self, Point};
 use crate::retry::{GiveUp, Next, RetryPolicy};
 use crate::store::dead_letters::{body_key, event_key};
-use crate::store::{Applier, DeadLetter, Failure, GivenUpMessages, Store};
+use crate::store::{Applier, Claimed, DeadLetter, Failure, GivenUpMessages, Store};
 use crate::telemetry::trace;
 
 /// A delivery whose body is a valid event.
@@ -274,7 +274,7 @@ impl<H: Handler> Processor<H> {
         &self,
         mut items: Vec<Item<H::Event>>,
         decided: &mut Decided,
-        mut slot: Option<&mut Option<OwnedSemaphorePermit>>,
+        slot: Option<&mut Option<OwnedSemaphorePermit>>,
     ) {
         if items.iter().any(|item| item.delivery.redelivered) {
             items = self.dead_letter_exhausted(items, decided).await;
@@ -291,53 +291,7 @@ impl<H: Handler> Processor<H> {
                 item.delivery.properties.headers().as_ref(),
             )
         });
-        // The handler's statements, as a span of their own when traced.
-        let transaction = if trace::on() {
-            info_span!(
-                "transaction",
-                otel.name = "idem transaction",
-                db.system.name = "postgresql",
-                events = events.len()
-            )
-        } else {
-            Span::none()
-        };
-        // Acked only once on disk: a commit that did not wait for its own
-        // flush waits for a flush to find its records, and runs again when
-        // one did not (an event it put in is then a duplicate, and counts as
-        // applied here still).
-        let (mut earlier, mut pause) = (None, crate::store::RERUN_PAUSE);
-        let outcome = loop {
-            let started = std::time::Instant::now();
-            let committed = self
-                .until_database_answers(
-                    || self.applier.commit(&events, first_deliveries),
-                    |failure: &Failure| self.holds(failure),
-                )
-                .instrument(transaction.clone())
-                .await;
-            self.stats.transaction(events.len(), started.elapsed());
-            let committed = match committed {
-                Ok(committed) => committed.after(earlier.take()),
-                Err(failure) => break Err(failure),
-            };
-            // The transaction committed: another batch may start.
-            if let Some(slot) = &mut slot {
-                slot.take();
-            }
-            if self.applier.flushed(&committed).await {
-                break Ok(committed.claimed);
-            }
-            self.stats.unconfirmed();
-            debug!(
-                events = events.len(),
-                "a flush did not find what the transaction put in: running it again"
-            );
-            // Not at once: a flush that keeps failing would spin.
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(self.retry().max_hold_backoff());
-            earlier = Some(committed);
-        };
+        let outcome = self.commit_on_disk(&events, first_deliveries, slot).await;
         if outcome.is_ok() && self.probe.is_some() {
             let ids: Vec<&str> = items.iter().map(|item| self.event_id(item)).collect();
             probe::reach(&self.probe, Point::AfterCommit, &ids).await;
@@ -349,22 +303,7 @@ impl<H: Handler> Processor<H> {
                 .collect::<Vec<bool>>()
         });
         match outcome {
-            Ok(went_in) => {
-                for (item, went_in) in items.into_iter().zip(went_in) {
-                    let event_id = self.event_id(&item);
-                    if went_in {
-                        self.stats.applied(1);
-                        debug!(delivery.tag = item.tag(), event.id = %event_id, "applied");
-                    } else {
-                        self.stats.duplicates(1);
-                        debug!(delivery.tag = item.tag(), event.id = %event_id, "duplicate: acked without effect");
-                    }
-                    if let Some(latency) = since_published(&item.delivery) {
-                        self.stats.latency(latency);
-                    }
-                    decided.settle(item.tag(), Disposition::Ack);
-                }
-            }
+            Ok(went_in) => self.acked(items, &went_in, decided),
             Err(failure) if items.len() > 1 => {
                 info!(batch.size = items.len(), %failure, "batch transaction failed: applying its messages one by one");
                 if self.probe.is_some() {
@@ -380,6 +319,78 @@ impl<H: Handler> Processor<H> {
                     self.failed(item, &failure, decided).await;
                 }
             }
+        }
+    }
+
+    /// Commits `events` and returns what they claimed once a flush found it
+    /// on disk: a commit that did not wait for its own flush waits for a
+    /// flush to find its records, and runs again when one did not (an event
+    /// it put in is then a duplicate, and counts as applied here still).
+    /// Gives up `slot` once the transaction committed, so that another
+    /// batch may start.
+    async fn commit_on_disk<'e>(
+        &self,
+        events: &[&'e H::Event],
+        first_deliveries: bool,
+        mut slot: Option<&mut Option<OwnedSemaphorePermit>>,
+    ) -> Result<Claimed<'e>, Failure> {
+        // The handler's statements, as a span of their own when traced.
+        let transaction = if trace::on() {
+            info_span!(
+                "transaction",
+                otel.name = "idem transaction",
+                db.system.name = "postgresql",
+                events = events.len()
+            )
+        } else {
+            Span::none()
+        };
+        let (mut earlier, mut pause) = (None, crate::store::RERUN_PAUSE);
+        loop {
+            let started = std::time::Instant::now();
+            let committed = self
+                .until_database_answers(
+                    || self.applier.commit(events, first_deliveries),
+                    |failure: &Failure| self.holds(failure),
+                )
+                .instrument(transaction.clone())
+                .await;
+            self.stats.transaction(events.len(), started.elapsed());
+            let committed = committed?.after(earlier.take());
+            if let Some(slot) = &mut slot {
+                slot.take();
+            }
+            if self.applier.flushed(&committed).await {
+                return Ok(committed.claimed);
+            }
+            self.stats.unconfirmed();
+            debug!(
+                events = events.len(),
+                "a flush did not find what the transaction put in: running it again"
+            );
+            // Not at once: a flush that keeps failing would spin.
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(self.retry().max_hold_backoff());
+            earlier = Some(committed);
+        }
+    }
+
+    /// Acks `items` whose transaction committed, each applied or a
+    /// duplicate as `went_in` says.
+    fn acked(&self, items: Vec<Item<H::Event>>, went_in: &[bool], decided: &mut Decided) {
+        for (item, went_in) in items.into_iter().zip(went_in) {
+            let event_id = self.event_id(&item);
+            if *went_in {
+                self.stats.applied(1);
+                debug!(delivery.tag = item.tag(), event.id = %event_id, "applied");
+            } else {
+                self.stats.duplicates(1);
+                debug!(delivery.tag = item.tag(), event.id = %event_id, "duplicate: acked without effect");
+            }
+            if let Some(latency) = since_published(&item.delivery) {
+                self.stats.latency(latency);
+            }
+            decided.settle(item.tag(), Disposition::Ack);
         }
     }
 

@@ -154,6 +154,14 @@ impl Stats {
             unconfirmed: Counter::default(),
             registry: Registry::default(),
         };
+        stats.register_work(&mut registry, deliveries);
+        stats.register_state(&mut registry);
+        stats.register_outbox_and_epochs(&mut registry);
+        Self { registry, ..stats }
+    }
+
+    /// What became of the deliveries, and the transactions that took them.
+    fn register_work(&self, registry: &mut Registry, deliveries: Family<Outcome, Counter>) {
         registry.register(
             "deliveries",
             "Deliveries by what became of them: applied, duplicate, invalid (dead-lettered \
@@ -164,140 +172,148 @@ impl Stats {
         registry.register(
             "received_deliveries",
             "Deliveries taken from the broker",
-            stats.received.clone(),
+            self.received.clone(),
         );
         registry.register(
             "retries",
             "Failed deliveries sent for another attempt, by the delay they wait",
-            stats.retries.clone(),
+            self.retries.clone(),
         );
         registry.register(
             "database_retries",
             "Statements retried because the database was unavailable (no attempt spent)",
-            stats.infrastructure_retries.clone(),
+            self.infrastructure_retries.clone(),
         );
         registry.register(
             "sessions",
             "Consuming sessions started, one per broker connection",
-            stats.sessions.clone(),
+            self.sessions.clone(),
         );
         registry.register(
             "reconnects",
             "Broker connections reopened after a loss",
-            stats.reconnects.clone(),
+            self.reconnects.clone(),
         );
         registry.register_with_unit(
             "transaction_duration",
             "Claim-and-apply transactions, from the first attempt to commit or failure",
             Unit::Seconds,
-            stats.transaction_seconds.clone(),
+            self.transaction_seconds.clone(),
         );
         registry.register(
             "batch_size",
             "Deliveries per claim-and-apply transaction",
-            stats.batch_size.clone(),
+            self.batch_size.clone(),
         );
         registry.register_with_unit(
             "end_to_end_latency",
             "From a message's timestamp (set by its producer; idem publish does) to its ack",
             Unit::Seconds,
-            stats.latency_seconds.clone(),
+            self.latency_seconds.clone(),
         );
+    }
+
+    /// The worker's state now: what it holds, its connections.
+    fn register_state(&self, registry: &mut Registry) {
         registry.register(
             "batches_in_flight",
             "Transactions being applied now",
-            stats.in_flight.clone(),
+            self.in_flight.clone(),
         );
         registry.register(
             "unacked_deliveries",
             "Deliveries taken and not yet settled with the broker",
-            stats.unacked.clone(),
+            self.unacked.clone(),
         );
         registry.register(
             "consuming",
             "1 while a consumer is registered with the broker",
-            stats.consuming.clone(),
+            self.consuming.clone(),
         );
         registry.register(
             "database_up",
             "1 unless transactions are held because the database is unavailable",
-            stats.database_up.clone(),
+            self.database_up.clone(),
         );
         registry.register(
             "pool_connections",
             "PostgreSQL connections of the pool, by state (idle, in_use)",
-            stats.pool.clone(),
+            self.pool.clone(),
         );
         registry.register(
             "pool_max_connections",
             "The most PostgreSQL connections the pool opens",
-            stats.pool_max.clone(),
+            self.pool_max.clone(),
         );
+    }
+
+    /// The outbox's relay, the epochs of the consume records, and what the
+    /// worker sent or ran again.
+    fn register_outbox_and_epochs(&self, registry: &mut Registry) {
         registry.register(
             "outbox_sent_messages",
             "Outbox messages the relay published and the broker confirmed",
-            stats.relay.sent.clone(),
+            self.relay.sent.clone(),
         );
         registry.register(
             "outbox_refused_publishes",
             "Outbox publishes the broker refused (nacked, returned, no exchange): \
              the message stays in the outbox and is tried again later",
-            stats.relay.refused.clone(),
+            self.relay.refused.clone(),
         );
         registry.register(
             "outbox_unsent_messages",
             "Outbox messages not sent yet, as last counted",
-            stats.relay.unsent.clone(),
+            self.relay.unsent.clone(),
         );
         registry.register(
             "current_epoch_records",
             "Records the current epoch of the consume records has taken, as last seen \
              (the id sequence's progress since it opened)",
-            stats.epochs.current_records.clone(),
+            self.epochs.current_records.clone(),
         );
         registry.register(
             "epoch_filters",
             "Closed epochs of the consume records whose filter this worker holds",
-            stats.epochs.filtered.clone(),
+            self.epochs.filtered.clone(),
         );
         registry.register_with_unit(
             "epoch_filter_memory",
             "Memory the filters of the closed epochs take",
             Unit::Bytes,
-            stats.epochs.bytes.clone(),
+            self.epochs.bytes.clone(),
         );
         registry.register(
             "unfiltered_epochs",
             "Closed epochs this worker holds no filter of: every event is looked up in each",
-            stats.epochs.unfiltered.clone(),
+            self.epochs.unfiltered.clone(),
         );
         registry.register(
             "epoch_lookups",
             "Lookups of an event in a closed epoch whose filter may hold it (the event's \
              record, or a false positive, about one in 28,000 per epoch)",
-            stats.epochs.lookups.clone(),
+            self.epochs.lookups.clone(),
         );
         registry.register(
             "copies_nacked",
             "Copies the worker publishes before it acks a delivery (to a wait queue, to the \
              dead-letter exchange, due back to the work queue) that the broker nacked: each \
              goes again on a fresh channel for up to 30 s",
-            stats.copies_nacked.clone(),
+            self.copies_nacked.clone(),
         );
         registry.register(
             "unconfirmed_transactions",
             "Transactions committed without waiting for their flush that a flush did not find \
              on disk (the server lost them, or the flush failed), each run again before its \
              deliveries are acked",
-            stats.unconfirmed.clone(),
+            self.unconfirmed.clone(),
         );
         registry.register(
             "straight_claims",
             "Events claimed straight into the current epoch, without the claim function \
              (per-message mode, first deliveries, every closed epoch filtered)",
-            stats.epochs.straight.clone(),
+            self.epochs.straight.clone(),
         );
-        Self { registry, ..stats }
     }
 
     /// The counters of the epochs' upkeep and of the closed epochs'
