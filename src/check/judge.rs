@@ -148,13 +148,27 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         report.runs.push(first_row);
         report.runs.push(again_row);
 
-        // The reverse order: does the effect depend on it?
+        self.reversed(events, &tables, &expected, lookup, report)
+            .await?;
+        Ok((tables, expected))
+    }
+
+    /// The reference in reverse order, which tells whether the order
+    /// matters; its row goes into `report`.
+    async fn reversed(
+        &self,
+        events: &[&Event<G::Event>],
+        tables: &Tables,
+        expected: &Observed,
+        lookup: &Lookup<'_>,
+        report: &mut CheckReport,
+    ) -> Result<(), CheckError> {
         let started = Instant::now();
         let reversed_events: Vec<&Event<G::Event>> = events.iter().rev().copied().collect();
         let reversed = self.scratch("reversed", 2).await?;
         let reversed_fates = self.one_at_a_time(&reversed, &reversed_events).await?;
         let reversed = self
-            .observe(&reversed, &tables, Some(reversed_fates))
+            .observe(&reversed, tables, Some(reversed_fates))
             .await?;
         let mut order = state::differences(&expected.state, &reversed.state);
         let fate_changes = fate_differences(&expected.fates, &reversed.fates);
@@ -177,7 +191,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         }
         reversed_row.seconds = started.elapsed().as_secs_f64();
         report.runs.push(reversed_row);
-        Ok((tables, expected))
+        Ok(())
     }
 
     /// `events` applied one at a time on `scratch`, in their order.

@@ -94,8 +94,25 @@ pub(crate) const STRIKES: usize = 3;
 /// Every run, in the order of the report: `copies` at once in the copies
 /// runs, batches of `batch_size`, orders drawn from `seed`.
 pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
+    const BOTH: &[Mode] = &[Mode::Batch, Mode::PerMessage];
+    const BATCH: &[Mode] = &[Mode::Batch];
+    let copies_at_once = format!("{copies} copies at once");
+    // Name, slug, modes, fault, workers, copies of each message.
+    type Run<'a> = (&'a str, &'a str, &'a [Mode], Fault, usize, usize);
+    #[rustfmt::skip]
+    let runs: [Run<'_>; 9] = [
+        ("2 workers sharing the load", "shared", BOTH, Fault::None, 2, 1),
+        (&copies_at_once, "copies", BOTH, Fault::None, 2, copies),
+        ("killed before commit", "killed_before", BOTH, Fault::Kill(Moment::BeforeCommit), 1, 1),
+        ("killed after commit", "killed_after", BOTH, Fault::Kill(Moment::AfterCommit), 1, 1),
+        ("killed mid-batch", "killed_mid", BATCH, Fault::Kill(Moment::MidBatch), 1, 1),
+        ("database cut", "database", BOTH, Fault::CutDatabase, 1, 1),
+        ("broker cut before the acks", "broker", BOTH, Fault::CutBroker, 1, 1),
+        ("late copies, replayed dead letters", "replay", BATCH, Fault::Replay, 1, 1),
+        ("another order, batches of 7", "order", BATCH, Fault::None, 1, 1),
+    ];
     let mut plans = Vec::new();
-    let mut add = |name: &str, slug: &str, modes: &[Mode], fault, workers, copies| {
+    for (name, slug, modes, fault, workers, copies) in runs {
         for &mode in modes {
             plans.push(Plan {
                 name: format!("{name} · {}", mode_name(mode)),
@@ -113,83 +130,7 @@ pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
                 batch_size,
             });
         }
-    };
-    let both = [Mode::Batch, Mode::PerMessage];
-    let batch = [Mode::Batch];
-    let once = 1;
-    add(
-        "2 workers sharing the load",
-        "shared",
-        &both,
-        Fault::None,
-        2,
-        once,
-    );
-    add(
-        &format!("{copies} copies at once"),
-        "copies",
-        &both,
-        Fault::None,
-        2,
-        copies,
-    );
-    let killed = |moment| Fault::Kill(moment);
-    add(
-        "killed before commit",
-        "killed_before",
-        &both,
-        killed(Moment::BeforeCommit),
-        1,
-        once,
-    );
-    add(
-        "killed after commit",
-        "killed_after",
-        &both,
-        killed(Moment::AfterCommit),
-        1,
-        once,
-    );
-    add(
-        "killed mid-batch",
-        "killed_mid",
-        &batch,
-        killed(Moment::MidBatch),
-        1,
-        once,
-    );
-    add(
-        "database cut",
-        "database",
-        &both,
-        Fault::CutDatabase,
-        1,
-        once,
-    );
-    add(
-        "broker cut before the acks",
-        "broker",
-        &both,
-        Fault::CutBroker,
-        1,
-        once,
-    );
-    add(
-        "late copies, replayed dead letters",
-        "replay",
-        &batch,
-        Fault::Replay,
-        1,
-        once,
-    );
-    add(
-        "another order, batches of 7",
-        "order",
-        &batch,
-        Fault::None,
-        1,
-        once,
-    );
+    }
     if let Some(order) = plans.last_mut() {
         order.shuffled = true;
         order.batch_size = 7;

@@ -511,27 +511,10 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             }
             match self.dispatch(cli.command, shutdown).await {
                 Ok(code) => code,
-                // Flags that parsed but can never work together: a usage
-                // error, as clap's own are.
-                Err(e) if e.is::<SettingError>() => {
-                    let line = format!("{e} (see {} --help)", asked(&command, &args));
-                    telemetry::fatal_as(&name, format, &line);
-                    ExitCode::from(2)
-                }
                 Err(e) => {
-                    let database = origin(&args, "--database-url", crate::vars::DATABASE_URL);
-                    let broker = origin(&args, "--amqp-url", crate::vars::AMQP_URL);
-                    let mut line = one_line(&e)
-                        .replace(crate::store::ConfigError::URL, &database)
-                        .replace(crate::broker::AmqpConfig::URL, &broker);
-                    if waited_out(&e) {
-                        line.push_str(&format!(
-                            " (--startup-timeout, {}, says how long to wait)",
-                            crate::vars::STARTUP_TIMEOUT
-                        ));
-                    }
+                    let (line, code) = failed(&e, &command, &args);
                     telemetry::fatal_as(&name, format, &line);
-                    ExitCode::FAILURE
+                    code
                 }
             }
         })
@@ -630,6 +613,29 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         }
         Ok(ExitCode::SUCCESS)
     }
+}
+
+/// The one line a command that failed with `e` ends with, and its exit
+/// code: flags that parsed but can never work together are a usage error
+/// (2), as clap's own are; anything else is a failure (1), naming where the
+/// servers' URLs came from and the patience it waited out.
+fn failed(e: &anyhow::Error, command: &clap::Command, args: &[OsString]) -> (String, ExitCode) {
+    if e.is::<SettingError>() {
+        let line = format!("{e} (see {} --help)", asked(command, args));
+        return (line, ExitCode::from(2));
+    }
+    let database = origin(args, "--database-url", crate::vars::DATABASE_URL);
+    let broker = origin(args, "--amqp-url", crate::vars::AMQP_URL);
+    let mut line = one_line(e)
+        .replace(crate::store::ConfigError::URL, &database)
+        .replace(crate::broker::AmqpConfig::URL, &broker);
+    if waited_out(e) {
+        line.push_str(&format!(
+            " (--startup-timeout, {}, says how long to wait)",
+            crate::vars::STARTUP_TIMEOUT
+        ));
+    }
+    (line, ExitCode::FAILURE)
 }
 
 /// `check`: the report, as text or JSON; exit code 1 unless every run

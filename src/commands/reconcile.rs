@@ -219,43 +219,13 @@ async fn compare<H: Handler>(
         }
         let ids: Vec<&str> = events.iter().map(|(id, _)| id.as_str()).collect();
         let recorded = crate::store::recorded(&client, group, &ids).await?;
-        let ledger: HashMap<String, (i32, String)> = client
-            .query(
-                "SELECT event_id::text, failures, last_error FROM mq_failure_ledger \
-                 WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])",
-                &[&ids, &group],
-            )
-            .await?
-            .iter()
-            .map(|row| Ok((row.try_get(0)?, (row.try_get(1)?, row.try_get(2)?))))
-            .collect::<Result<_, tokio_postgres::Error>>()?;
+        let ledger = ledger_of(&client, group, &ids).await?;
         let mut missing = Vec::new();
         for (id, body) in events {
-            let status = if recorded.contains(&id) {
-                Status::Applied
-            } else if let Some(reason) = dead.get(&id) {
-                Status::DeadLettered(
-                    ledger
-                        .get(&id)
-                        .map_or_else(|| reason.clone(), |(_, error)| error.clone()),
-                )
-            } else if let Some((failures, last_error)) = ledger.get(&id) {
-                Status::Failing {
-                    failures: *failures,
-                    last_error: last_error.clone(),
-                }
-            } else {
-                Status::Missing
-            };
-            found.events += 1;
-            match &status {
-                Status::Applied => found.applied += 1,
-                Status::DeadLettered(_) => found.dead_lettered += 1,
-                Status::Failing { .. } => found.failing += 1,
-                Status::Missing => {
-                    found.missing += 1;
-                    missing.push(body);
-                }
+            let status = status_of(&id, &recorded, &dead, &ledger);
+            found.count(&status);
+            if let Status::Missing = status {
+                missing.push(body);
             }
             if let Some(report) = report.as_mut() {
                 writeln!(report, "{}", event_line(&id, &status))?;
@@ -328,6 +298,64 @@ async fn republish(
 }
 
 /// The keys whose row differs from `totals`, a chunk of keys per query.
+impl Reconciliation {
+    /// Counts an event of the export whose fate is `status`.
+    fn count(&mut self, status: &Status) {
+        self.events += 1;
+        match status {
+            Status::Applied => self.applied += 1,
+            Status::DeadLettered(_) => self.dead_lettered += 1,
+            Status::Failing { .. } => self.failing += 1,
+            Status::Missing => self.missing += 1,
+        }
+    }
+}
+
+/// The failure ledger's rows of `ids`: failures and last error by event id.
+async fn ledger_of(
+    client: &deadpool_postgres::Object,
+    group: &str,
+    ids: &[&str],
+) -> Result<HashMap<String, (i32, String)>, tokio_postgres::Error> {
+    client
+        .query(
+            "SELECT event_id::text, failures, last_error FROM mq_failure_ledger \
+             WHERE consumer_group = $2 AND event_id = ANY($1::varchar[])",
+            &[&ids, &group],
+        )
+        .await?
+        .iter()
+        .map(|row| Ok((row.try_get(0)?, (row.try_get(1)?, row.try_get(2)?))))
+        .collect()
+}
+
+/// What became of event `id`: recorded (applied), among the dead letters
+/// (with the ledger's error, or the letter's reason), failing in the
+/// ledger, or nowhere.
+fn status_of(
+    id: &str,
+    recorded: &HashSet<String>,
+    dead: &HashMap<String, String>,
+    ledger: &HashMap<String, (i32, String)>,
+) -> Status {
+    if recorded.contains(id) {
+        Status::Applied
+    } else if let Some(reason) = dead.get(id) {
+        Status::DeadLettered(
+            ledger
+                .get(id)
+                .map_or_else(|| reason.clone(), |(_, error)| error.clone()),
+        )
+    } else if let Some((failures, last_error)) = ledger.get(id) {
+        Status::Failing {
+            failures: *failures,
+            last_error: last_error.clone(),
+        }
+    } else {
+        Status::Missing
+    }
+}
+
 async fn compare_totals<E>(
     client: &deadpool_postgres::Object,
     tally: &Tally<E>,

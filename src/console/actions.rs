@@ -316,29 +316,40 @@ pub(super) async fn start<H: Handler>(
         running.insert(id, progress.clone());
     }
     info!(id, action = kind.name(), who = %audited.who, filter = %audited.filter, "console action started");
-    let runner = console.clone();
-    console.inner.tasks.spawn(async move {
-        let inner = &runner.inner;
-        let report =
-            dlq::run_showing(&dlq, &action, &*inner.handler, &progress, &inner.shutdown).await;
-        let (letters, outcome) = match &report {
-            Ok(report) => outcome(report),
-            Err(error) => (0, format!("failed: {error}")),
-        };
-        info!(id, letters, %outcome, "console action ended");
-        let ended = async {
-            let client = inner.store.pool().get().await?;
-            read::audit_end(&client, id, letters, &outcome).await?;
-            Ok::<_, crate::store::StoreError>(())
-        };
-        if let Err(error) = ended.await {
-            warn!(id, %error, "the audit could not record how a console action ended");
-        }
-        if let Ok(mut running) = inner.running.lock() {
-            running.remove(&id);
-        }
-    });
+    console
+        .inner
+        .tasks
+        .spawn(run(console.clone(), id, dlq, action, progress));
     Redirect::to(&format!("/actions/{id}")).into_response()
+}
+
+/// Runs the action audited as `id` in the console's process, showing its
+/// `progress`, and records in the audit how it ended.
+async fn run<H: Handler>(
+    console: Console<H>,
+    id: i64,
+    dlq: DlqConfig,
+    action: Action,
+    progress: Progress,
+) {
+    let inner = &console.inner;
+    let report = dlq::run_showing(&dlq, &action, &*inner.handler, &progress, &inner.shutdown).await;
+    let (letters, outcome) = match &report {
+        Ok(report) => outcome(report),
+        Err(error) => (0, format!("failed: {error}")),
+    };
+    info!(id, letters, %outcome, "console action ended");
+    let ended = async {
+        let client = inner.store.pool().get().await?;
+        read::audit_end(&client, id, letters, &outcome).await?;
+        Ok::<_, crate::store::StoreError>(())
+    };
+    if let Err(error) = ended.await {
+        warn!(id, %error, "the audit could not record how a console action ended");
+    }
+    if let Ok(mut running) = inner.running.lock() {
+        running.remove(&id);
+    }
 }
 
 /// How many letters a pass acted on, and what it says of them.

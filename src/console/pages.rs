@@ -304,13 +304,26 @@ pub(super) async fn group<H: Handler>(
         )
             .into_response();
     };
+    let body = group_page(&id, &group, &page, &search, &console.form_token());
+    layout("Failure group", who.acting().as_deref(), body).into_response()
+}
+
+/// The body of a group's page: its counts, the search form, the actions on
+/// the group or the search, and a page of its letters.
+fn group_page(
+    id: &Uuid,
+    group: &Group,
+    page: &read::LetterPage,
+    search: &Search,
+    form_token: &str,
+) -> Markup {
     let letters = &page.letters;
     let next = page.next.as_ref().map(|(dead_at, key)| {
         let micros = dead_at
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_micros();
-        let mut pairs: Vec<(&str, String)> = search_fields(&search);
+        let mut pairs: Vec<(&str, String)> = search_fields(search);
         pairs.push(("after", format!("{micros}|{key}")));
         format!("/groups/{id}?{}", encode(&pairs))
     });
@@ -318,9 +331,8 @@ pub(super) async fn group<H: Handler>(
         || search.error.is_some()
         || search.from.is_some()
         || search.to.is_some();
-    let form_token = console.form_token();
-    let body = html! {
-        h1 { "Group: " (fingerprint(&group)) }
+    html! {
+        h1 { "Group: " (fingerprint(group)) }
         div.cards {
             div.card { div.n { (group.letters) } "letters" }
             div.card { div.n { (group.would_apply) } "a replay would apply" }
@@ -340,7 +352,7 @@ pub(super) async fn group<H: Handler>(
         form method="post" action="/actions/preview" {
             input type="hidden" name="form_token" value=(form_token);
             input type="hidden" name="group" value=(group.id);
-            @for (name, value) in search_fields(&search) {
+            @for (name, value) in search_fields(search) {
                 input type="hidden" name=(name) value=(value);
             }
             div.actions {
@@ -361,8 +373,41 @@ pub(super) async fn group<H: Handler>(
                 @if let Some(next) = &next { a href=(next) { "Next page →" } }
             }
         }
-    };
-    layout("Failure group", who.acting().as_deref(), body).into_response()
+    }
+}
+
+/// A letter's body and headers; only their size, digest and names when
+/// the console hides bodies.
+fn letter_contents(letter: &read::Letter, hide: bool) -> Markup {
+    html! {
+        h2 { "Body" }
+        p.muted {
+            (letter.body_bytes.map_or_else(|| "size unknown".to_owned(), |n| format!("{n} bytes")))
+            @if let Some(digest) = &letter.body_sha256 { ", SHA-256 " code { (digest.iter().map(|b| format!("{b:02x}")).collect::<String>()) } }
+        }
+        @if hide {
+            p.muted { "Bodies are hidden on this console." }
+        } @else {
+            @match &letter.body {
+                Some(body) => {
+                    pre.body { (shown_body(body)) }
+                    @if letter.body_bytes.is_some_and(|n| usize::try_from(n).unwrap_or(0) > body.len()) {
+                        p.muted { "The first " (body.len()) " bytes: the index keeps no more." }
+                    }
+                }
+                None => { p.muted { "The index keeps no body for this letter (dead-lettered before the console's migration, or with bodies not kept): " code { "dlq list --event-id" } " shows it from the queue." } }
+            }
+        }
+        h2 { "Headers" }
+        @match &letter.headers {
+            Some(headers) if hide => {
+                p.muted { "Hidden on this console; their names: "
+                    (headers.get("headers").and_then(|h| h.as_object()).map(|h| h.keys().cloned().collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
+            }
+            Some(headers) => { pre { (serde_json::to_string_pretty(headers).unwrap_or_default()) } }
+            None => { p.muted { "Not kept for this letter." } }
+        }
+    }
 }
 
 /// Query-string pairs, encoded.
@@ -486,33 +531,7 @@ pub(super) async fn letter<H: Handler>(
                 }
             }
         }
-        h2 { "Body" }
-        p.muted {
-            (letter.body_bytes.map_or_else(|| "size unknown".to_owned(), |n| format!("{n} bytes")))
-            @if let Some(digest) = &letter.body_sha256 { ", SHA-256 " code { (digest.iter().map(|b| format!("{b:02x}")).collect::<String>()) } }
-        }
-        @if hide {
-            p.muted { "Bodies are hidden on this console." }
-        } @else {
-            @match &letter.body {
-                Some(body) => {
-                    pre.body { (shown_body(body)) }
-                    @if letter.body_bytes.is_some_and(|n| usize::try_from(n).unwrap_or(0) > body.len()) {
-                        p.muted { "The first " (body.len()) " bytes: the index keeps no more." }
-                    }
-                }
-                None => { p.muted { "The index keeps no body for this letter (dead-lettered before the console's migration, or with bodies not kept): " code { "dlq list --event-id" } " shows it from the queue." } }
-            }
-        }
-        h2 { "Headers" }
-        @match &letter.headers {
-            Some(headers) if hide => {
-                p.muted { "Hidden on this console; their names: "
-                    (headers.get("headers").and_then(|h| h.as_object()).map(|h| h.keys().cloned().collect::<Vec<_>>().join(", ")).unwrap_or_default()) }
-            }
-            Some(headers) => { pre { (serde_json::to_string_pretty(headers).unwrap_or_default()) } }
-            None => { p.muted { "Not kept for this letter." } }
-        }
+        (letter_contents(&letter, hide))
         form method="post" action="/actions/preview" {
             input type="hidden" name="form_token" value=(console.form_token());
             input type="hidden" name="group" value=(letter.group);

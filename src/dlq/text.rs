@@ -191,59 +191,7 @@ pub struct Printed<'a> {
 impl fmt::Display for Printed<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let report = self.report;
-        let queue = printable(&report.queue);
-        if !report.replayed.is_empty() || !report.failed.is_empty() {
-            let per_queue: Vec<String> = report
-                .replayed_per_queue()
-                .iter()
-                .map(|(queue, n)| format!("{n} to {}", printable(queue)))
-                .collect();
-            write!(
-                f,
-                "replayed {} message(s) from {queue}",
-                report.replayed.len()
-            )?;
-            if !per_queue.is_empty() {
-                write!(f, " ({})", per_queue.join(", "))?;
-            }
-            if report.nacks_retried > 0 {
-                write!(
-                    f,
-                    "; {} nacked by the broker and sent again",
-                    report.nacks_retried
-                )?;
-            }
-        } else if let Some(file) = &report.file {
-            write!(
-                f,
-                "discarded {} message(s) from {queue} into {}",
-                report.discarded.len(),
-                file.display()
-            )?;
-        } else if let Some(synced) = &report.synced {
-            write!(f, "{}", SyncedIn(&report.queue, synced))?;
-        } else {
-            if report.limited {
-                write!(
-                    f,
-                    "the first {} dead-lettered message(s) in {queue} that match (the limit), \
-                     of the {} looked at; the queue holds {} (nothing moved)",
-                    report.listed.len(),
-                    report.seen,
-                    report.in_queue
-                )?;
-            } else {
-                write!(
-                    f,
-                    "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
-                    report.listed.len(),
-                    report.in_queue
-                )?;
-            }
-            for entry in &report.listed {
-                write!(f, "\n  {entry}")?;
-            }
-        }
+        self.done(f)?;
         if report.skipped_invalid > 0 {
             write!(
                 f,
@@ -298,6 +246,67 @@ impl fmt::Display for Printed<'_> {
                 "\n  (the failure ledger could not be read: {})",
                 printable(error)
             )?;
+        }
+        Ok(())
+    }
+}
+
+impl Printed<'_> {
+    /// What the pass did: what it replayed, discarded, synced or listed.
+    fn done(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let report = self.report;
+        let queue = printable(&report.queue);
+        if !report.replayed.is_empty() || !report.failed.is_empty() {
+            let per_queue: Vec<String> = report
+                .replayed_per_queue()
+                .iter()
+                .map(|(queue, n)| format!("{n} to {}", printable(queue)))
+                .collect();
+            write!(
+                f,
+                "replayed {} message(s) from {queue}",
+                report.replayed.len()
+            )?;
+            if !per_queue.is_empty() {
+                write!(f, " ({})", per_queue.join(", "))?;
+            }
+            if report.nacks_retried > 0 {
+                write!(
+                    f,
+                    "; {} nacked by the broker and sent again",
+                    report.nacks_retried
+                )?;
+            }
+        } else if let Some(file) = &report.file {
+            write!(
+                f,
+                "discarded {} message(s) from {queue} into {}",
+                report.discarded.len(),
+                file.display()
+            )?;
+        } else if let Some(synced) = &report.synced {
+            write!(f, "{}", SyncedIn(&report.queue, synced))?;
+        } else {
+            if report.limited {
+                write!(
+                    f,
+                    "the first {} dead-lettered message(s) in {queue} that match (the limit), \
+                     of the {} looked at; the queue holds {} (nothing moved)",
+                    report.listed.len(),
+                    report.seen,
+                    report.in_queue
+                )?;
+            } else {
+                write!(
+                    f,
+                    "{} of {} dead-lettered message(s) in {queue} match (nothing moved)",
+                    report.listed.len(),
+                    report.in_queue
+                )?;
+            }
+            for entry in &report.listed {
+                write!(f, "\n  {entry}")?;
+            }
         }
         Ok(())
     }

@@ -99,3 +99,79 @@ fn no_module_of_the_root_is_public_but_hidden_unless_for_the_internals() -> anyh
     assert!(hidden.is_empty(), "public and hidden: {hidden:?}");
     Ok(())
 }
+
+/// Each function of `text` with its length in lines, as rustfmt lays code
+/// out: from its `fn` line to the `}` at the same indentation.
+fn functions(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut found = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let code = line.trim_start();
+        let indent = &line[..line.len() - code.len()];
+        let after = [
+            "pub ",
+            "pub(crate) ",
+            "pub(super) ",
+            "async ",
+            "const ",
+            "unsafe ",
+        ]
+        .iter()
+        .fold(code, |rest, prefix| {
+            rest.strip_prefix(prefix).unwrap_or(rest)
+        });
+        let Some(signature) = after.strip_prefix("fn ") else {
+            continue;
+        };
+        // A body on the `fn` line itself: `fn none() {}`.
+        if signature.contains('{') && signature.trim_end().ends_with('}') {
+            continue;
+        }
+        let name: String = signature
+            .chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect();
+        // A declaration without a body (a trait's) ends with `;` first.
+        let Some(open) = lines[start..]
+            .iter()
+            .position(|l| l.trim_end().ends_with('{') || l.trim_end().ends_with(';'))
+        else {
+            continue;
+        };
+        if lines[start + open].trim_end().ends_with(';') {
+            continue;
+        }
+        let close = format!("{indent}}}");
+        if let Some(end) = lines[start + open..].iter().position(|l| *l == close) {
+            found.push((name, start + 1, open + end + 1));
+        }
+    }
+    found
+}
+
+/// A function is read at a glance: none of the library's is over 100
+/// lines (the development chapter lists the longest, with why).
+#[test]
+fn no_function_of_the_library_is_over_a_hundred_lines() -> anyhow::Result<()> {
+    let mut long = Vec::new();
+    for file in sources(&root().join("src")) {
+        let text = std::fs::read_to_string(&file)?;
+        for (name, line, length) in functions(&text) {
+            if length > 100 {
+                long.push(format!("{}:{line} {name}: {length} lines", file.display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "over 100 lines:\n{}", long.join("\n"));
+    Ok(())
+}
+
+#[test]
+fn a_function_is_measured_from_its_fn_line_to_its_closing_brace() {
+    let text = "impl X {\n    pub(crate) async fn two(\n        a: u8,\n    ) -> u8 {\n        a\n    }\n\n    fn declared(&self);\n}\nfn one() {}\nfn three() {\n    x\n}\n";
+    let found: Vec<(String, usize)> = functions(text)
+        .into_iter()
+        .map(|(name, _, length)| (name, length))
+        .collect();
+    assert_eq!(found, vec![("two".to_owned(), 5), ("three".to_owned(), 3)]);
+}
