@@ -19,8 +19,8 @@ use super::view::{self, Fields, layout, maybe_time, time};
 use crate::dlq::{self, Action, DlqConfig, Filter};
 use crate::handler::Handler;
 use crate::progress::Progress;
+use crate::store::IndexSummary;
 use crate::store::console::{self as read, Audited, Group, Search};
-use crate::store::{IndexFilter, IndexSummary};
 
 /// What an action does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +164,7 @@ impl<H: Handler> Console<H> {
         } else {
             self.inner
                 .store
-                .dead_letter_summary(&IndexFilter::from(&selection.filter()))
+                .dead_letter_summary(&selection.filter())
                 .await?
         };
         Ok(Some((summary, group.fingerprint)))

@@ -39,8 +39,8 @@ use crate::handler::Handler;
 use crate::progress::Progress;
 use crate::store::dead_letters::{body_key, event_key};
 use crate::store::{
-    DatabaseConfig, DeadLetter, IndexFilter, IndexSummary, IndexTotals, LedgerEntry, ReadyError,
-    Store, StoreError,
+    DatabaseConfig, DeadLetter, IndexSummary, IndexTotals, LedgerEntry, ReadyError, Store,
+    StoreError,
 };
 
 /// Which dead-letter queue, and how to reach the failure ledger.
@@ -88,32 +88,6 @@ impl DlqConfig {
             patience,
         }
     }
-}
-
-/// Which dead letters an action takes; every part must hold. The default
-/// takes them all.
-#[derive(Debug, Clone, Default)]
-pub struct Filter {
-    /// The reason of its latest death: `rejected`, `delivery_limit`, `expired`…
-    pub reason: Option<String>,
-    /// Its event id.
-    pub event_id: Option<String>,
-    /// Part of the ledger's last error (or, for a body the handler cannot
-    /// decode, of why).
-    pub error: Option<String>,
-    /// Died longer ago than this.
-    pub older_than: Option<Duration>,
-    /// Died within this.
-    pub newer_than: Option<Duration>,
-    /// Only bodies the handler cannot decode (which can never apply).
-    pub invalid: bool,
-    /// Its failure group in the dead-letter index: the digest of its last
-    /// error's fingerprint, as the console groups letters. A letter the
-    /// index lacks is in none.
-    pub group: Option<uuid::Uuid>,
-    /// Only these letters (their keys in the dead-letter index); empty:
-    /// any.
-    pub keys: Vec<String>,
 }
 
 /// What to do with the dead letters that match.
@@ -440,9 +414,7 @@ async fn summary_of<H: Handler>(
 ) -> anyhow::Result<IndexedSummary> {
     let state = index_state_of::<H>(config, shutdown).await?;
     let store = Store::new(config.database.pool()?, config.consumer_group.clone());
-    let summary = store
-        .dead_letter_summary(&IndexFilter::from(&config.filter))
-        .await?;
+    let summary = store.dead_letter_summary(&config.filter).await?;
     Ok(IndexedSummary { state, summary })
 }
 
@@ -459,21 +431,6 @@ pub struct IndexedSummary {
     pub summary: IndexSummary,
 }
 
-impl From<&Filter> for IndexFilter {
-    fn from(filter: &Filter) -> Self {
-        Self {
-            reason: filter.reason.clone(),
-            event_id: filter.event_id.clone(),
-            error: filter.error.clone(),
-            older_than: filter.older_than,
-            newer_than: filter.newer_than,
-            invalid: filter.invalid,
-            group: filter.group,
-            keys: filter.keys.clone(),
-        }
-    }
-}
-
 mod export;
 mod pass;
 mod taking;
@@ -481,6 +438,7 @@ mod taking;
 mod tests;
 mod text;
 
+pub use crate::store::Filter;
 use export::*;
 use pass::*;
 use taking::*;

@@ -401,11 +401,7 @@ impl<H: Handler> Pass<'_, H> {
         if usize::try_from(totals.letters).ok()? != in_queue {
             return None;
         }
-        let summary = self
-            .store
-            .dead_letter_summary(&IndexFilter::from(filter))
-            .await
-            .ok()?;
+        let summary = self.store.dead_letter_summary(filter).await.ok()?;
         usize::try_from(summary.letters).ok()
     }
 

@@ -357,24 +357,29 @@ pub(super) async fn totals(
     Ok(totals)
 }
 
-/// Which rows a summary counts; every part must hold (as `dlq::Filter`).
+/// Which dead letters an action takes, and which rows of the index a
+/// summary counts; every part must hold. The default takes them all.
 #[derive(Debug, Clone, Default)]
-pub struct IndexFilter {
-    /// The reason of its death.
+pub struct Filter {
+    /// The reason of its latest death: `rejected`, `delivery_limit`, `expired`…
     pub reason: Option<String>,
     /// Its event id.
     pub event_id: Option<String>,
-    /// Part of its last error (or of why its body is invalid).
+    /// Part of the ledger's last error (or, for a body the handler cannot
+    /// decode, of why).
     pub error: Option<String>,
     /// Died longer ago than this.
     pub older_than: Option<Duration>,
     /// Died within this.
     pub newer_than: Option<Duration>,
-    /// Only invalid bodies.
+    /// Only bodies the handler cannot decode (which can never apply).
     pub invalid: bool,
-    /// Its failure group (the digest of its error's fingerprint).
+    /// Its failure group in the dead-letter index: the digest of its last
+    /// error's fingerprint, as the console groups letters. A letter the
+    /// index lacks is in none.
     pub group: Option<uuid::Uuid>,
-    /// Only these letters (their keys); empty: any.
+    /// Only these letters (their keys in the dead-letter index); empty:
+    /// any.
     pub keys: Vec<String>,
 }
 
@@ -495,7 +500,7 @@ const SUMMARY_SPAN_OF_TALLY: &str = "\
 pub(super) async fn summary(
     client: &impl GenericClient,
     consumer_group: &str,
-    filter: &IndexFilter,
+    filter: &Filter,
 ) -> Result<IndexSummary, tokio_postgres::Error> {
     let seconds = |d: &Duration| d.as_secs_f64();
     let older_than = filter.older_than.as_ref().map(seconds);

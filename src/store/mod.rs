@@ -47,7 +47,7 @@ pub use claim::{
 pub use config::is_identifier;
 pub use config::{ConfigError, DatabaseConfig};
 pub(crate) use dead_letters::GivenUpMessages;
-pub use dead_letters::{DeadLetter, IndexFilter, IndexSummary, IndexTotals, Indexed};
+pub use dead_letters::{DeadLetter, Filter, IndexSummary, IndexTotals, Indexed};
 pub use failure::StoreError;
 #[doc(hidden)]
 pub use failure::describe;
@@ -345,10 +345,7 @@ impl Store {
     }
 
     /// The dead letters of the index that match `filter`, counted.
-    pub async fn dead_letter_summary(
-        &self,
-        filter: &IndexFilter,
-    ) -> Result<IndexSummary, StoreError> {
+    pub async fn dead_letter_summary(&self, filter: &Filter) -> Result<IndexSummary, StoreError> {
         let mut client = self.pool.get().await?;
         // Planned for the filter given: idem's connections plan generically
         // (for the worker's statements), which would read every row here
