@@ -67,7 +67,7 @@ impl ReconcileConfig {
 
 /// Where an event stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Status {
+pub enum Fate {
     /// Its consume record exists: its effect was applied.
     Applied,
     /// In the dead-letter queue, with its last error (or the broker's
@@ -84,13 +84,13 @@ pub enum Status {
     Missing,
 }
 
-impl Status {
+impl Fate {
     fn name(&self) -> &'static str {
         match self {
-            Status::Applied => "applied",
-            Status::DeadLettered(_) => "dead_lettered",
-            Status::Failing { .. } => "failing",
-            Status::Missing => "missing",
+            Fate::Applied => "applied",
+            Fate::DeadLettered(_) => "dead_lettered",
+            Fate::Failing { .. } => "failing",
+            Fate::Missing => "missing",
         }
     }
 }
@@ -222,13 +222,13 @@ async fn compare<H: Handler>(
         let ledger = ledger_of(&client, group, &ids).await?;
         let mut missing = Vec::new();
         for (id, body) in events {
-            let status = status_of(&id, &recorded, &dead, &ledger);
-            found.count(&status);
-            if let Status::Missing = status {
+            let fate = fate_of(&id, &recorded, &dead, &ledger);
+            found.count(&fate);
+            if let Fate::Missing = fate {
                 missing.push(body);
             }
             if let Some(report) = report.as_mut() {
-                writeln!(report, "{}", event_line(&id, &status))?;
+                writeln!(report, "{}", event_line(&id, &fate))?;
             }
         }
         if config.republish_missing && !missing.is_empty() {
@@ -299,14 +299,14 @@ async fn republish(
 
 /// The keys whose row differs from `totals`, a chunk of keys per query.
 impl Reconciliation {
-    /// Counts an event of the export whose fate is `status`.
-    fn count(&mut self, status: &Status) {
+    /// Counts an event of the export whose fate is `fate`.
+    fn count(&mut self, fate: &Fate) {
         self.events += 1;
-        match status {
-            Status::Applied => self.applied += 1,
-            Status::DeadLettered(_) => self.dead_lettered += 1,
-            Status::Failing { .. } => self.failing += 1,
-            Status::Missing => self.missing += 1,
+        match fate {
+            Fate::Applied => self.applied += 1,
+            Fate::DeadLettered(_) => self.dead_lettered += 1,
+            Fate::Failing { .. } => self.failing += 1,
+            Fate::Missing => self.missing += 1,
         }
     }
 }
@@ -332,27 +332,27 @@ async fn ledger_of(
 /// What became of event `id`: recorded (applied), among the dead letters
 /// (with the ledger's error, or the letter's reason), failing in the
 /// ledger, or nowhere.
-fn status_of(
+fn fate_of(
     id: &str,
     recorded: &HashSet<String>,
     dead: &HashMap<String, String>,
     ledger: &HashMap<String, (i32, String)>,
-) -> Status {
+) -> Fate {
     if recorded.contains(id) {
-        Status::Applied
+        Fate::Applied
     } else if let Some(reason) = dead.get(id) {
-        Status::DeadLettered(
+        Fate::DeadLettered(
             ledger
                 .get(id)
                 .map_or_else(|| reason.clone(), |(_, error)| error.clone()),
         )
     } else if let Some((failures, last_error)) = ledger.get(id) {
-        Status::Failing {
+        Fate::Failing {
             failures: *failures,
             last_error: last_error.clone(),
         }
     } else {
-        Status::Missing
+        Fate::Missing
     }
 }
 
@@ -397,18 +397,18 @@ async fn compare_totals<E>(
     Ok(differ)
 }
 
-fn event_line(id: &str, status: &Status) -> Value {
+fn event_line(id: &str, status: &Fate) -> Value {
     let mut line = json!({"eventId": id, "status": status.name()});
     match status {
-        Status::DeadLettered(error) => line["lastError"] = json!(error),
-        Status::Failing {
+        Fate::DeadLettered(error) => line["lastError"] = json!(error),
+        Fate::Failing {
             failures,
             last_error,
         } => {
             line["failures"] = json!(failures);
             line["lastError"] = json!(last_error);
         }
-        Status::Applied | Status::Missing => {}
+        Fate::Applied | Fate::Missing => {}
     }
     line
 }

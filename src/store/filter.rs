@@ -120,7 +120,7 @@ pub(super) struct Consulted {
 
 /// What a pass of [`Filters::sync`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Synced {
+pub struct FilterSync {
     /// Epochs whose stored filter was loaded.
     pub loaded: Vec<i32>,
     /// Epochs whose filter this pass built and stored.
@@ -257,13 +257,13 @@ impl Filters {
         client: &mut Client,
         memory: usize,
         build: bool,
-    ) -> Result<Synced, StoreError> {
+    ) -> Result<FilterSync, StoreError> {
         let Epochs {
             closed,
             current,
             by_text,
         } = epochs(client).await?;
-        let mut synced = Synced::default();
+        let mut synced = FilterSync::default();
         let mut kept = Vec::new();
         for filter in self.held().filters.iter() {
             if closed.iter().any(|epoch| epoch.is(filter)) {

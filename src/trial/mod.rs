@@ -8,4 +8,4 @@ pub mod proxy;
 mod tally;
 
 pub use load::{Load, Repeats, publish};
-pub use tally::Tally;
+pub use tally::Exactness;

@@ -3,7 +3,7 @@
 
 /// Events applied twice or more, and never, out of how many.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Tally {
+pub struct Exactness {
     /// Distinct events sent.
     pub events: usize,
     /// Events whose effect is there more than once.
@@ -12,14 +12,14 @@ pub struct Tally {
     pub lost: usize,
 }
 
-impl Tally {
+impl Exactness {
     /// Neither doubled nor lost anything.
     pub fn clean(&self) -> bool {
         self.twice == 0 && self.lost == 0
     }
 
     /// Adds `other`'s counts to these.
-    pub fn add(&mut self, other: Tally) {
+    pub fn add(&mut self, other: Exactness) {
         self.events += other.events;
         self.twice += other.twice;
         self.lost += other.lost;

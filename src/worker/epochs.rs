@@ -9,7 +9,7 @@ use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::store::filter::{Synced, filter_bytes};
+use crate::store::filter::{FilterSync, filter_bytes};
 use crate::store::{DatabaseConfig, Store, StoreError, retention};
 
 /// How the worker keeps the epochs.
@@ -128,7 +128,11 @@ pub(super) async fn keep(
 /// Syncs the filters, building the missing ones, and opens the next epoch
 /// if the current one is full (then builds the filter of the one it
 /// closed). Returns the last sync.
-async fn pass(store: &Store, pool: &Pool, settings: &EpochSettings) -> Result<Synced, StoreError> {
+async fn pass(
+    store: &Store,
+    pool: &Pool,
+    settings: &EpochSettings,
+) -> Result<FilterSync, StoreError> {
     let mut client = pool.get().await?;
     let synced = store
         .filters()
@@ -168,7 +172,7 @@ async fn pass(store: &Store, pool: &Pool, settings: &EpochSettings) -> Result<Sy
 }
 
 /// One line for what a sync changed.
-fn report(synced: &Synced) {
+fn report(synced: &FilterSync) {
     if !(synced.loaded.is_empty() && synced.built.is_empty() && synced.dropped.is_empty()) {
         info!(
             loaded = ?synced.loaded,

@@ -11,7 +11,7 @@ use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 use idem::vars;
 use idem_points::commands::lab::{
-    self, Column, Fault, LabConfig, LabReport, Row, Step, Strategy, Tally,
+    self, Column, Exactness, Fault, LabConfig, LabReport, Row, Step, Strategy,
 };
 
 use crate::support::{amqp_url, database_url, patient, unique_name};
@@ -47,7 +47,7 @@ fn row(report: &LabReport, strategy: Strategy) -> anyhow::Result<&Row> {
 }
 
 /// What one fault did to one strategy.
-fn under(row: &Row, fault: Fault) -> Tally {
+fn under(row: &Row, fault: Fault) -> Exactness {
     row.runs
         .iter()
         .find(|(f, _)| *f == fault)
@@ -55,16 +55,16 @@ fn under(row: &Row, fault: Fault) -> Tally {
         .unwrap_or_default()
 }
 
-fn twice(n: usize) -> Tally {
-    Tally {
+fn twice(n: usize) -> Exactness {
+    Exactness {
         events: EVENTS,
         twice: n,
         lost: 0,
     }
 }
 
-fn lost(n: usize) -> Tally {
-    Tally {
+fn lost(n: usize) -> Exactness {
+    Exactness {
         events: EVENTS,
         twice: 0,
         lost: n,

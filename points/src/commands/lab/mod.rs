@@ -21,7 +21,7 @@ use anyhow::{Context, bail};
 use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 
-pub use idem::trial::Tally;
+pub use idem::trial::Exactness;
 pub use run::{Fault, Outcome};
 pub use strategy::{Step, Strategy};
 
@@ -163,8 +163,8 @@ pub struct Row {
 
 impl Row {
     /// What the runs of `column` did to the effect, added up.
-    pub fn tally(&self, column: Column) -> Tally {
-        let mut tally = Tally::default();
+    pub fn tally(&self, column: Column) -> Exactness {
+        let mut tally = Exactness::default();
         for (_, outcome) in self.runs.iter().filter(|(f, _)| column.holds(*f)) {
             tally.add(outcome.tally);
         }
@@ -196,7 +196,7 @@ impl Row {
     /// What went wrong, and under which fault (or step); the rounds of
     /// the load added up.
     pub fn causes(&self) -> Vec<String> {
-        let mut faults: Vec<(Fault, Tally)> = Vec::new();
+        let mut faults: Vec<(Fault, Exactness)> = Vec::new();
         for (fault, outcome) in &self.runs {
             match faults.iter_mut().find(|(f, _)| f == fault) {
                 Some((_, tally)) => tally.add(outcome.tally),

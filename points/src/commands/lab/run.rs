@@ -26,7 +26,7 @@ use tracing::debug;
 use super::strategy::{Effect, Hands, On, Step, Stop, Strategy};
 use crate::points::PaymentSucceeded;
 use idem::broker::{AmqpConfig, close_channel};
-use idem::trial::{self, Load, Tally};
+use idem::trial::{self, Exactness, Load};
 
 /// What the lab does to a strategy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -50,7 +50,7 @@ pub enum Fault {
 #[derive(Debug, Clone)]
 pub struct Outcome {
     /// The effect, counted from the points.
-    pub tally: Tally,
+    pub tally: Exactness,
     /// Messages published (copies included).
     pub messages: usize,
     /// From the consumers' start until every message was acked.
@@ -241,7 +241,7 @@ impl Stage {
             .collect()
     }
 
-    async fn tally(&self, events: &[PaymentSucceeded]) -> anyhow::Result<Tally> {
+    async fn tally(&self, events: &[PaymentSucceeded]) -> anyhow::Result<Exactness> {
         let orders: Vec<&str> = events.iter().map(|e| e.order_id.as_str()).collect();
         let client = self.pool.get().await?;
         let rows = client
@@ -250,9 +250,9 @@ impl Stage {
                 &[&orders],
             )
             .await?;
-        let mut tally = Tally {
+        let mut tally = Exactness {
             events: events.len(),
-            ..Tally::default()
+            ..Exactness::default()
         };
         for row in rows {
             let applied = row.get::<_, i64>(0) / POINTS;
