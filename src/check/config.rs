@@ -1,7 +1,12 @@
 //! What a check runs, on what, and how it judges; and why it could not be
 //! run to the end.
 
-use super::*;
+use std::time::Duration;
+
+use crate::broker::AmqpConfig;
+use crate::handler::BoxError;
+use crate::store::DatabaseConfig;
+use crate::worker::WorkerConfig;
 
 /// What a check runs, on what, and how it judges.
 #[derive(Debug, Clone)]

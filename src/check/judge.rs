@@ -2,7 +2,18 @@
 //! is compared after it (the tables, the outbox, idem's own accounts, the
 //! invariants and the witness).
 
-use super::*;
+use std::collections::{BTreeMap, HashMap};
+
+use deadpool_postgres::GenericClient;
+use futures::{StreamExt, TryStreamExt};
+use tokio::time::Instant;
+
+use super::{
+    Check, CheckError, Decoded, Equivalence, Event, Fates, Lookup, OUTGOING_LOOKED_AT, Observed,
+    Plan, Rig, RunReport, SHOWN, Scratch, Tables, fates_of, reference, runs, state,
+};
+use crate::CheckReport;
+use crate::handler::{Handler, message_id};
 
 impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
     pub(super) async fn everything(

@@ -41,10 +41,8 @@ mod scratch;
 mod state;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
-use futures::{StreamExt, TryStreamExt};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -53,9 +51,9 @@ pub use events::read as read_events;
 pub use report::{CheckReport, RunReport};
 pub use state::{Difference, LeftOut, Why};
 
-use crate::broker::{AmqpConfig, ConnectError, close, connect_with_retry};
-use crate::handler::{BoxError, Handler, message_id};
-use crate::store::{DatabaseConfig, ReadyError, StoreError};
+use crate::broker::{ConnectError, close, connect_with_retry};
+use crate::handler::Handler;
+use crate::store::{ReadyError, StoreError};
 use crate::worker::WorkerConfig;
 use reference::{Equivalence, Fates};
 use runs::{Plan, Rig, Upstream};

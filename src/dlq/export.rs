@@ -1,7 +1,13 @@
 //! What a discard writes of a letter: one JSON line with everything needed
 //! to publish it again by hand.
 
-use super::*;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use serde_json::{Value, json};
+
+use super::Letter;
+use crate::duration::rfc3339;
 
 /// What the discard file keeps of a letter: everything needed to publish it
 /// again by hand.

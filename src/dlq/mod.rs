@@ -7,41 +7,23 @@
 //! at any moment, a message is at worst both replayed (or written) and still
 //! dead-lettered; a replayed duplicate is absorbed by the consume record.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fmt;
-use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::Context;
 
 use crate::error::CommandResult;
-use base64::Engine;
-use futures::{FutureExt, StreamExt};
-use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
-};
-use lapin::types::{DeliveryTag, FieldTable};
-use lapin::{BasicProperties, Channel, PublisherConfirm};
-use serde_json::{Value, json};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::warn;
 
-use crate::broker::death::{Death, replay_headers, replays};
+use crate::broker::death::Death;
 use crate::broker::{
-    AmqpConfig, ConfirmChannel, ConnectionWatch, Nacks, Outgoing, Reconnects, Refusal, close,
-    close_channel, connect_with_retry, queue_counts, ready_messages, settle,
+    AmqpConfig, ConnectionWatch, Nacks, Reconnects, close, close_channel, connect_with_retry,
+    queue_counts,
 };
-use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::progress::Progress;
-use crate::store::dead_letters::{body_key, event_key};
-use crate::store::{
-    DatabaseConfig, DeadLetter, IndexSummary, IndexTotals, LedgerEntry, ReadyError, Store,
-    StoreError,
-};
+use crate::store::{DatabaseConfig, IndexSummary, IndexTotals, LedgerEntry, ReadyError, Store};
 
 /// Which dead-letter queue, and how to reach the failure ledger.
 #[derive(Debug, Clone)]

@@ -6,7 +6,30 @@
 //! replaying, discarding, indexing, moving to the tail) share the pass's
 //! state and its rules for acking, and read best as one `impl`.
 
-use super::*;
+use std::collections::HashMap;
+use std::io::Write;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
+use lapin::types::DeliveryTag;
+use lapin::{BasicProperties, Channel};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use super::{
+    Action, DlqConfig, Entry, Pacer, Report, Synced, Taking, await_released, discarded, send_all,
+};
+use crate::broker::death::{Death, replay_headers, replays};
+use crate::broker::{
+    ConfirmChannel, Nacks, Outgoing, Refusal, close_channel, ready_messages, settle,
+};
+use crate::handler::Handler;
+use crate::progress::Progress;
+use crate::store::Filter;
+use crate::store::dead_letters::{body_key, event_key};
+use crate::store::{DeadLetter, Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
 pub(super) enum PassError {

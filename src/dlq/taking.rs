@@ -2,7 +2,18 @@
 //! limit, waiting for what a lost connection held, and the pace of a
 //! replay.
 
-use super::*;
+use std::time::Duration;
+
+use futures::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, PublisherConfirm};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::Action;
+use crate::broker::{ConfirmChannel, Outgoing, queue_counts, ready_messages};
 
 /// How long a pass waits for a letter before it asks whether the queue
 /// still holds one for it.

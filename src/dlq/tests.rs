@@ -2,6 +2,8 @@
 
 use super::*;
 use crate::handler::Invalid;
+use crate::store::dead_letters::event_key;
+use std::time::SystemTime;
 
 /// The event id of a body the handler can apply; for one it cannot,
 /// why and how it starts (an entry's `invalid`).

@@ -1,7 +1,12 @@
 //! The reports as text: listings, summaries, syncs; every string from a
 //! letter made printable.
 
-use super::*;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::{ERRORS_SHOWN, Entry, HOLD, IndexedSummary, Report, Synced};
+use crate::duration::rfc3339;
 
 impl fmt::Display for IndexedSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

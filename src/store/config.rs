@@ -1,7 +1,16 @@
 //! Where the database is and how to reach it: the connection string, TLS,
 //! the pool.
 
-use super::*;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
+use tokio_postgres::NoTls;
+use tokio_postgres::config::SslMode;
+use tokio_postgres_rustls::MakeRustlsConnect;
+
+use crate::secret::SecretUrl;
 
 /// Where the database is and how to use it.
 #[derive(Debug, Clone)]

@@ -22,18 +22,10 @@ mod ready;
 pub mod retention;
 
 use std::collections::{HashMap, HashSet};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use backon::Retryable;
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts};
-use tokio_postgres::NoTls;
-use tokio_postgres::config::SslMode;
-use tokio_postgres::error::SqlState;
-use tokio_postgres_rustls::MakeRustlsConnect;
-use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use deadpool_postgres::Pool;
 
 pub(crate) use apply::RERUN_PAUSE;
 #[doc(hidden)]
@@ -59,9 +51,6 @@ pub use ledger::LedgerEntry;
 pub use ready::ReadyError;
 #[doc(hidden)]
 pub use ready::until_answered;
-
-use crate::handler::Handler;
-use crate::secret::SecretUrl;
 
 /// The consume records and the failure ledger of one consumer group.
 #[derive(Clone)]

@@ -2,7 +2,16 @@
 //! and the handler's at the versions this build needs, and its functions'
 //! texts.
 
-use super::*;
+use std::time::Duration;
+
+use backon::Retryable;
+use tokio_postgres::error::SqlState;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use super::migrate;
+use super::{Store, StoreError};
+use crate::handler::Handler;
 
 /// Why the database cannot be used. Each names the database, as
 /// [`DatabaseConfig::describe`] does.

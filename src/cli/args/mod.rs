@@ -8,23 +8,16 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::Args;
 use clap::builder::{PossibleValuesParser, TypedValueParser};
-use clap::{Args, Subcommand};
-use tracing::warn;
 
 use crate::broker::{AmqpConfig, Topology};
-use crate::check::CheckConfig;
-use crate::commands::prune::PruneSettings;
-use crate::commands::reconcile::ReconcileConfig;
-use crate::commands::status::StatusConfig;
-use crate::dlq::{Action, DlqConfig, Filter, View};
 use crate::duration;
-use crate::relay::RelayConfig;
 use crate::retry::{RetryError, RetryPolicy};
 use crate::secret::SecretUrl;
 use crate::store::DatabaseConfig;
 use crate::vars;
-use crate::worker::{ConfigError, EpochSettings, Mode, WorkerConfig, check_consumer_group};
+use crate::worker::{ConfigError, WorkerConfig, check_consumer_group};
 
 mod console;
 mod operator;

@@ -1,7 +1,24 @@
 //! The flags of the operator's commands: `dlq`, `requeue`, `status`,
 //! `prune` and `reconcile`.
 
-use super::*;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::builder::TypedValueParser;
+use clap::{Args, Subcommand};
+
+use super::{
+    AmqpArgs, DatabaseArgs, DeadLetterQueueArgs, Delays, GroupArgs, QueueArgs, RouteArgs,
+    SettingError, Wait, WaitArgs,
+};
+use crate::broker::Topology;
+use crate::commands::prune::PruneSettings;
+use crate::commands::reconcile::ReconcileConfig;
+use crate::commands::status::StatusConfig;
+use crate::dlq::{Action, DlqConfig, View};
+use crate::retry::RetryPolicy;
+use crate::store::Filter;
+use crate::vars;
 
 /// `reconcile`.
 #[derive(Debug, Args)]

@@ -1,14 +1,31 @@
 //! The flags of the commands that run idem: `migrate`, `worker`, `relay`
 //! and `check`.
 
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
+use clap::Args;
+use clap::builder::TypedValueParser;
 use tokio_util::sync::CancellationToken;
+use tracing::warn;
 
-use super::*;
+use super::{
+    AmqpArgs, DatabaseArgs, GroupArgs, QueueArgs, RetentionArgs, RouteArgs, ServerArgs,
+    SettingError, Wait, WaitArgs, choice, socket_addr, topology,
+};
+use crate::broker::Topology;
+use crate::check::CheckConfig;
+use crate::commands::prune::PruneSettings;
 use crate::companions::Companions;
 use crate::console::{Console, ConsoleConfig};
+use crate::dlq::DlqConfig;
 use crate::handler::Handler;
+use crate::relay::RelayConfig;
+use crate::retry::RetryPolicy;
+use crate::store::{DatabaseConfig, Filter};
+use crate::vars;
+use crate::worker::{EpochSettings, Mode, WorkerConfig};
 
 /// `migrate`.
 #[derive(Debug, Args)]
