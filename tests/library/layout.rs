@@ -175,3 +175,22 @@ fn a_function_is_measured_from_its_fn_line_to_its_closing_brace() {
         .collect();
     assert_eq!(found, vec![("two".to_owned(), 5), ("three".to_owned(), 3)]);
 }
+
+/// A file split out of a bigger one imports what it names: a glob of its
+/// parent is for test modules alone.
+#[test]
+fn no_file_of_the_library_but_a_test_module_imports_its_parent_whole() -> anyhow::Result<()> {
+    let mut globbed = Vec::new();
+    for file in sources(&root().join("src")) {
+        let is_tests = file.file_name().is_some_and(|name| name == "tests.rs");
+        let text = std::fs::read_to_string(&file)?;
+        if !is_tests && text.lines().any(|line| line == "use super::*;") {
+            globbed.push(file.display().to_string());
+        }
+    }
+    assert!(
+        globbed.is_empty(),
+        "glob imports of the parent: {globbed:?}"
+    );
+    Ok(())
+}
