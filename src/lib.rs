@@ -139,6 +139,8 @@
 //! - [`retry`] — the retry policy: attempts, delays, and what each kind of
 //!   failure does.
 //! - [`secret`] — connection strings that never print their password.
+//! - [`target`] — what an operator command works on: the servers, the
+//!   consumer group and its queues.
 //! - [`telemetry`] — logging, and the trace context across the broker.
 //!
 //! Hidden items of these modules, and the modules that the unstable
@@ -167,6 +169,7 @@ pub mod relay;
 pub mod retry;
 pub mod secret;
 pub mod store;
+pub mod target;
 pub mod telemetry;
 pub mod worker;
 
@@ -208,6 +211,7 @@ pub use relay::RelayConfig;
 pub use retry::RetryPolicy;
 pub use secret::SecretUrl;
 pub use store::{DatabaseConfig, migrate};
+pub use target::Target;
 pub use worker::{Mode, Worker, WorkerConfig};
 
 /// The README's and the guide's Rust blocks, compiled by `cargo test` as

@@ -19,7 +19,7 @@ pub struct CheckConfig {
     pub database: DatabaseConfig,
     /// The consumer group the events are recorded under.
     pub consumer_group: String,
-    /// Message bodies, in order ([`read_events`] reads a file of them).
+    /// Message bodies, in order ([`read_events`](super::read_events) reads a file of them).
     pub events: Vec<Vec<u8>>,
     /// SQL run after the migrations in every schema the check makes (seed
     /// rows, say).

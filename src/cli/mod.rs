@@ -600,7 +600,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 }
             }
             Command::Status(args) => {
-                let status = status::run(&args.config()?, &handler, &shutdown).await?;
+                let status = status::run::<H>(&args.config()?, &shutdown).await?;
                 println!("{status}");
             }
             Command::Console(args) => {

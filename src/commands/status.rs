@@ -3,57 +3,22 @@
 //! oldest, epochs), the failure ledger, and the dead letters per reason.
 
 use std::fmt;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use tokio_util::sync::CancellationToken;
 
-use crate::broker::{AmqpConfig, Topology, close, close_channel, connect_with_retry, queue_counts};
+use crate::broker::{Topology, close, close_channel, queue_counts};
 use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{DatabaseConfig, IndexTotals, ReadyError, Store, StoreError};
+use crate::store::{IndexTotals, ReadyError, Store, StoreError};
+use crate::target::{OpenError, Target};
 
 /// How many failure ledger rows a status looks at, at most: every dead
 /// letter has one, and a status should cost the same with a million as
 /// with ten.
 pub const LEDGER_LOOK: i64 = 1_000;
-
-/// Whose status.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct StatusConfig {
-    /// The broker.
-    pub amqp: AmqpConfig,
-    /// The database.
-    pub database: DatabaseConfig,
-    /// The consumer group's queues.
-    pub topology: Topology,
-    /// The consumer group.
-    pub consumer_group: String,
-    /// How long to wait for the services.
-    pub patience: Duration,
-}
-
-impl StatusConfig {
-    /// The state of `consumer_group`, working from `topology`'s queues,
-    /// waiting at most `patience` for the servers.
-    pub fn new(
-        amqp: AmqpConfig,
-        database: DatabaseConfig,
-        topology: Topology,
-        consumer_group: impl Into<String>,
-        patience: Duration,
-    ) -> Self {
-        Self {
-            amqp,
-            database,
-            topology,
-            consumer_group: consumer_group.into(),
-            patience,
-        }
-    }
-}
 
 /// One queue's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,49 +52,37 @@ pub struct Status {
     pub in_queue: Option<u32>,
 }
 
-/// Looks at the consumer group's queues and tables; moves nothing.
+/// Looks at the consumer group's queues and tables (waiting for the
+/// servers at most the target's patience); moves nothing.
 pub async fn run<H: Handler>(
-    config: &StatusConfig,
-    handler: &H,
+    target: &Target,
     shutdown: &CancellationToken,
 ) -> crate::error::CommandResult<Status> {
-    Ok(look(config, handler, shutdown).await?)
-}
-
-/// [`run`].
-async fn look<H: Handler>(
-    config: &StatusConfig,
-    _handler: &H,
-    shutdown: &CancellationToken,
-) -> anyhow::Result<Status> {
-    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
-    let server = config.database.describe();
-    match store
-        .wait_until_ready::<H>(&server, config.patience, shutdown)
-        .await
-    {
-        Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
-        ready => ready?,
-    }
-    let tables = tables(&store).await?;
-    let connection =
-        connect_with_retry(&config.amqp, "idem status", config.patience, shutdown).await?;
-    let queues = queue_states(&connection, &config.topology).await?;
-    close(&connection).await;
-    let in_queue = queues
-        .iter()
-        .find(|queue| queue.name == config.topology.dead_letter_queue)
-        .and_then(|queue| queue.counts)
-        .map(|(ready, _)| ready);
-    Ok(Status {
-        consumer_group: config.consumer_group.clone(),
-        queues,
-        records: tables.records,
-        epochs: tables.epochs,
-        failing: tables.failing,
-        index: tables.index,
-        in_queue,
-    })
+    let look = async {
+        let store = match target.ready_store::<H>(shutdown).await {
+            Err(OpenError::Ready(ReadyError::Interrupted)) => anyhow::bail!("interrupted"),
+            store => store?,
+        };
+        let tables = tables(&store).await?;
+        let connection = target.connect("idem status", shutdown).await?;
+        let queues = queue_states(&connection, &target.topology).await?;
+        close(&connection).await;
+        let in_queue = queues
+            .iter()
+            .find(|queue| queue.name == target.topology.dead_letter_queue)
+            .and_then(|queue| queue.counts)
+            .map(|(ready, _)| ready);
+        Ok(Status {
+            consumer_group: target.consumer_group.clone(),
+            queues,
+            records: tables.records,
+            epochs: tables.epochs,
+            failing: tables.failing,
+            index: tables.index,
+            in_queue,
+        })
+    };
+    Ok(look.await?)
 }
 
 /// What a status reads of the group's tables.

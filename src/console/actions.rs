@@ -135,7 +135,7 @@ impl<H: Handler> Console<H> {
     /// Group `id`, if it has letters.
     async fn group(&self, id: Uuid) -> Result<Option<Group>, crate::store::StoreError> {
         let client = self.inner.store.pool().get().await?;
-        Ok(read::group_by_id(&client, &self.inner.config.consumer_group, id).await?)
+        Ok(read::group_by_id(&client, &self.inner.config.target.consumer_group, id).await?)
     }
 
     /// The dry run: what the index counts of the selection, and the group's
@@ -277,7 +277,7 @@ pub(super) async fn start<H: Handler>(
     };
     let audited = Audited {
         id: 0,
-        consumer_group: config.consumer_group.clone(),
+        consumer_group: config.target.consumer_group.clone(),
         action: kind.name().to_owned(),
         who: who.audited(),
         filter: selection.described(&fingerprint),
@@ -304,11 +304,11 @@ pub(super) async fn start<H: Handler>(
         },
     };
     let mut dlq = DlqConfig::new(
-        config.amqp.clone(),
-        config.database.clone(),
-        config.consumer_group.clone(),
-        config.topology.dead_letter_queue.clone(),
-        config.patience,
+        config.target.amqp.clone(),
+        config.target.database.clone(),
+        config.target.consumer_group.clone(),
+        config.target.topology.dead_letter_queue.clone(),
+        config.target.patience,
     );
     dlq.filter = selection.filter();
     let progress = Progress::counted();

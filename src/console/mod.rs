@@ -21,20 +21,18 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use axum::Router;
 use axum::http::{HeaderValue, header};
 use axum::routing::{get, post};
-use deadpool_postgres::Pool;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
-use crate::broker::{AmqpConfig, Topology};
 use crate::handler::Handler;
 use crate::progress::Progress;
-use crate::store::{DatabaseConfig, ReadyError, Store};
+use crate::store::{ReadyError, Store};
+use crate::target::{OpenError, Target};
 
 mod access;
 mod actions;
@@ -50,14 +48,9 @@ pub const DEFAULT_ADDR: &str = "127.0.0.1:9480";
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ConsoleConfig {
-    /// The broker: the queues' depths, and the replays.
-    pub amqp: AmqpConfig,
-    /// The database: the index, the ledger, the consume records, the audit.
-    pub database: DatabaseConfig,
-    /// The consumer group's queues.
-    pub topology: Topology,
-    /// The consumer group.
-    pub consumer_group: String,
+    /// The servers, the consumer group and its queues: the queues' depths,
+    /// the replays, the index, the ledger, the records and the audit.
+    pub target: Target,
     /// The token actions need; without one (and without a trusted proxy)
     /// nothing can be done, only seen.
     pub token: Option<Token>,
@@ -71,33 +64,20 @@ pub struct ConsoleConfig {
     pub hide_bodies: bool,
     /// Where discards write their letters before they are acked.
     pub discard_dir: PathBuf,
-    /// How long to wait for the servers.
-    pub patience: Duration,
     /// Reading needs a token too: the console listens beyond loopback.
     pub reading_needs_token: bool,
 }
 
 impl ConsoleConfig {
-    /// The console of `consumer_group`, working from `topology`'s queues:
-    /// no token, bodies shown, discards into `./discarded`, reading open
-    /// (as on a loopback address).
-    pub fn new(
-        amqp: AmqpConfig,
-        database: DatabaseConfig,
-        topology: Topology,
-        consumer_group: impl Into<String>,
-        patience: Duration,
-    ) -> Self {
+    /// The console of `target`: no token, bodies shown, discards into
+    /// `./discarded`, reading open (as on a loopback address).
+    pub fn new(target: Target) -> Self {
         Self {
-            amqp,
-            database,
-            topology,
-            consumer_group: consumer_group.into(),
+            target,
             token: None,
             trusted_user_header: None,
             hide_bodies: false,
             discard_dir: PathBuf::from("discarded"),
-            patience,
             reading_needs_token: false,
         }
     }
@@ -126,6 +106,15 @@ pub enum ConsoleError {
     Random(String),
 }
 
+impl From<OpenError> for ConsoleError {
+    fn from(error: OpenError) -> Self {
+        match error {
+            OpenError::Config(error) => Self::Config(error),
+            OpenError::Ready(error) => Self::Ready(error),
+        }
+    }
+}
+
 /// The console's state, shared by its pages.
 pub struct Console<H> {
     inner: Arc<Inner<H>>,
@@ -142,7 +131,7 @@ impl<H> Clone for Console<H> {
 impl<H> std::fmt::Debug for Console<H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Console")
-            .field("consumer_group", &self.inner.config.consumer_group)
+            .field("consumer_group", &self.inner.config.target.consumer_group)
             .finish_non_exhaustive()
     }
 }
@@ -168,11 +157,7 @@ impl<H: Handler> Console<H> {
         handler: Arc<H>,
         shutdown: CancellationToken,
     ) -> Result<Self, ConsoleError> {
-        let pool: Pool = config.database.pool()?;
-        let store = Store::new(pool, config.consumer_group.clone());
-        store
-            .wait_until_ready::<H>(&config.database.describe(), config.patience, &shutdown)
-            .await?;
+        let store = config.target.ready_store::<H>(&shutdown).await?;
         let forms = access::FormKey::random().map_err(ConsoleError::Random)?;
         Ok(Self {
             inner: Arc::new(Inner {

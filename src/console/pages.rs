@@ -36,7 +36,7 @@ pub(super) async fn overview<H: Handler>(
     Reader(who): Reader,
 ) -> Response {
     let store = &console.inner.store;
-    let group = &console.inner.config.consumer_group;
+    let group = &console.inner.config.target.consumer_group;
     let read = async {
         let tables = status::tables(store).await?;
         let now = SystemTime::now();
@@ -115,7 +115,7 @@ impl<H: Handler> Console<H> {
         let mut broker = self.inner.broker.lock().await;
         if broker.as_ref().is_none_or(|c| !c.status().connected()) {
             let connection = connect_with_retry(
-                &config.amqp,
+                &config.target.amqp,
                 "idem console",
                 BROKER_WAIT,
                 &self.inner.shutdown,
@@ -127,7 +127,7 @@ impl<H: Handler> Console<H> {
         let Some(connection) = broker.as_ref() else {
             return Err("not connected".to_owned());
         };
-        status::queue_states(connection, &config.topology)
+        status::queue_states(connection, &config.target.topology)
             .await
             .map_err(|e| e.to_string())
     }
@@ -149,7 +149,7 @@ pub(super) async fn groups<H: Handler>(
         let client = console.inner.store.pool().get().await?;
         let listed = read::groups(
             &client,
-            &console.inner.config.consumer_group,
+            &console.inner.config.target.consumer_group,
             page * GROUPS_SHOWN,
             GROUPS_SHOWN,
         )
@@ -275,7 +275,7 @@ pub(super) async fn group<H: Handler>(
     let group_id = id;
     let read = async {
         let mut client = console.inner.store.pool().get().await?;
-        let consumer_group = &console.inner.config.consumer_group;
+        let consumer_group = &console.inner.config.target.consumer_group;
         let group = read::group_by_id(&client, consumer_group, group_id).await?;
         let letters = read::letters(
             &mut client,
@@ -468,7 +468,7 @@ pub(super) async fn letter<H: Handler>(
     let read = async {
         let client = console.inner.store.pool().get().await?;
         Ok::<_, crate::store::StoreError>(
-            read::letter(&client, &console.inner.config.consumer_group, key).await?,
+            read::letter(&client, &console.inner.config.target.consumer_group, key).await?,
         )
     };
     let letter = match read.await {

@@ -174,13 +174,13 @@ impl Report {
     }
 }
 
-/// What `idem dlq` shows: a report of [`run`], or the counts of
-/// [`summary`].
+/// What `idem dlq` shows: a report of [`run`](super::run), or the counts of
+/// [`summary`](super::summary).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum View {
     /// A report, one entry per line.
     Listing,
-    /// Counts only, from the dead-letter index ([`summary`]); a [`Printed`]
+    /// Counts only, from the dead-letter index ([`summary`](super::summary)); a [`Printed`]
     /// report shows its entries whatever the view.
     Summary,
 }

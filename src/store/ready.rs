@@ -14,7 +14,7 @@ use super::{Store, StoreError};
 use crate::handler::Handler;
 
 /// Why the database cannot be used. Each names the database, as
-/// [`DatabaseConfig::describe`] does.
+/// [`DatabaseConfig::describe`](super::DatabaseConfig::describe) does.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ReadyError {

@@ -6,6 +6,7 @@ use std::time::Duration;
 use super::EpochSettings;
 use crate::broker::{AmqpConfig, Exchange, Topology};
 use crate::store::DatabaseConfig;
+use crate::target::Target;
 
 /// How deliveries are grouped into transactions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -198,6 +199,19 @@ impl WorkerConfig {
             epochs: EpochSettings::default(),
             outgoing: Vec::new(),
         }
+    }
+
+    /// What the worker works on, for an operator command or the console
+    /// beside it: its servers, group and queues, waiting for the servers as
+    /// long as the worker does at start-up.
+    pub fn target(&self) -> Target {
+        Target::new(
+            self.amqp.clone(),
+            self.database.clone(),
+            self.topology.clone(),
+            self.consumer_group.clone(),
+            self.startup_timeout,
+        )
     }
 
     /// Refuses settings with which the worker could not keep its

@@ -37,13 +37,7 @@ async fn a_teams_main_runs_the_worker_with_its_console_and_its_pruner() -> anyho
         let addr = free_port()?;
         config.http_addr = Some(addr);
         let handler = Arc::new(Deposits::default());
-        let console = ConsoleConfig::new(
-            env.amqp.clone(),
-            env.database.clone(),
-            env.topology.clone(),
-            "deposits",
-            patient(Duration::from_secs(30)),
-        );
+        let console = ConsoleConfig::new(config.target());
         let console = Console::new(console, Arc::clone(&handler), shutdown.clone()).await?;
         let target = DlqConfig::new(
             env.amqp.clone(),

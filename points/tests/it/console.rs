@@ -44,13 +44,13 @@ impl RunningConsole {
         env: &TestEnv,
         configure: impl FnOnce(&mut ConsoleConfig),
     ) -> anyhow::Result<Self> {
-        let mut config = ConsoleConfig::new(
+        let mut config = ConsoleConfig::new(idem::Target::new(
             env.amqp.clone(),
             env.database.clone(),
             env.topology.clone(),
             GROUP,
             patient(Duration::from_secs(10)),
-        );
+        ));
         config.token = Token::new(TOKEN);
         config.discard_dir = std::env::temp_dir().join(format!("{}-discarded", env.name));
         configure(&mut config);

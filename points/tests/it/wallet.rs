@@ -134,14 +134,14 @@ async fn a_transfer_given_up_tells_the_payer_once_and_again_only_after_a_replay(
     assert_eq!(said["eventId"], "t-2");
     assert_eq!(said["reason"], "no such account");
     // Dead-lettered, t-2 is not failing: its ledger row stays for `dlq`.
-    let status = idem::commands::status::StatusConfig::new(
+    let target = idem::Target::new(
         env.amqp.clone(),
         env.database.clone(),
         env.topology.clone(),
         crate::support::GROUP,
         patient(Duration::from_secs(5)),
     );
-    let status = idem::commands::status::run(&status, &Wallet, &CancellationToken::new()).await?;
+    let status = idem::commands::status::run::<Wallet>(&target, &CancellationToken::new()).await?;
     assert_eq!(status.failing, (0, false), "{status}");
     assert_eq!(
         env.count("SELECT count(*) FROM mq_failure_ledger", &[])

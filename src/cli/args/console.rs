@@ -8,7 +8,6 @@ use clap::Args;
 use super::{SettingError, StatusArgs, socket_addr};
 
 use crate::console::{ConsoleConfig, DEFAULT_ADDR, Token};
-use crate::store::DatabaseConfig;
 use crate::vars;
 
 /// What the console lets be seen and done, and by whom.
@@ -89,18 +88,10 @@ pub(crate) struct ConsoleArgs {
 impl ConsoleArgs {
     /// Settings of `console`.
     pub(crate) fn config(&self) -> Result<ConsoleConfig, SettingError> {
-        let status = self.target.config()?;
-        let config = ConsoleConfig::new(
-            status.amqp,
-            // Its pages, and an action's pass beside them.
-            DatabaseConfig {
-                pool_size: 4,
-                ..status.database
-            },
-            status.topology,
-            status.consumer_group,
-            status.patience,
-        );
+        let mut target = self.target.config()?;
+        // Its pages, and an action's pass beside them.
+        target.database.pool_size = 4;
+        let config = ConsoleConfig::new(target);
         self.access.applied(config, self.http_addr)
     }
 }

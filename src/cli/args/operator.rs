@@ -14,10 +14,10 @@ use super::{
 use crate::broker::Topology;
 use crate::commands::prune::PruneSettings;
 use crate::commands::reconcile::ReconcileConfig;
-use crate::commands::status::StatusConfig;
 use crate::dlq::{Action, DlqConfig, View};
 use crate::retry::RetryPolicy;
 use crate::store::Filter;
+use crate::target::Target;
 use crate::vars;
 
 /// `reconcile`.
@@ -294,14 +294,14 @@ pub(crate) struct StatusArgs {
 
 impl StatusArgs {
     /// Settings of `status`.
-    pub(crate) fn config(&self) -> Result<StatusConfig, SettingError> {
-        Ok(StatusConfig {
-            amqp: self.amqp.config(),
-            database: self.database.config(2),
-            topology: self.queues.looked_at(),
-            consumer_group: self.group.consumer_group()?,
-            patience: self.wait.startup_timeout.0,
-        })
+    pub(crate) fn config(&self) -> Result<Target, SettingError> {
+        Ok(Target::new(
+            self.amqp.config(),
+            self.database.config(2),
+            self.queues.looked_at(),
+            self.group.consumer_group()?,
+            self.wait.startup_timeout.0,
+        ))
     }
 }
 

@@ -298,16 +298,9 @@ impl<F: Args> WorkerArgs<F> {
     ) -> anyhow::Result<Companions<H>> {
         let mut companions = Companions::new();
         if let (true, Some(addr)) = (self.console, config.http_addr) {
-            let console = ConsoleConfig::new(
-                config.amqp.clone(),
-                DatabaseConfig {
-                    pool_size: 4,
-                    ..config.database.clone()
-                },
-                config.topology.clone(),
-                config.consumer_group.clone(),
-                config.startup_timeout,
-            );
+            let mut target = config.target();
+            target.database.pool_size = 4;
+            let console = ConsoleConfig::new(target);
             let console = self.console_access.applied(console, addr)?;
             let console = Console::new(console, Arc::clone(handler), shutdown.clone()).await?;
             companions = companions.console(console);
