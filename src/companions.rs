@@ -86,7 +86,7 @@ impl<H: Handler> Companions<H> {
         shutdown: &CancellationToken,
     ) -> Result<(), WorkerError> {
         let worker_shutdown = shutdown.clone();
-        self.around(config, Arc::clone(&handler), shutdown, |config| {
+        self.around(config, shutdown, |config| {
             Worker::new(config, handler).run(worker_shutdown)
         })
         .await
@@ -111,7 +111,6 @@ impl<H: Handler> Companions<H> {
     pub async fn around<F, Fut, T>(
         self,
         config: WorkerConfig,
-        handler: Arc<H>,
         shutdown: &CancellationToken,
         worker: F,
     ) -> T
@@ -122,12 +121,7 @@ impl<H: Handler> Companions<H> {
         let config = self.routed(config);
         let pruner = self.pruning.map(|(settings, interval)| {
             let stop = shutdown.child_token();
-            let task = tokio::spawn(prune::keep_pruning(
-                settings,
-                handler,
-                interval,
-                stop.clone(),
-            ));
+            let task = tokio::spawn(prune::keep_pruning::<H>(settings, interval, stop.clone()));
             (task, stop)
         });
         let worked = worker(config).await;

@@ -31,10 +31,11 @@ use tokio_util::sync::CancellationToken;
 use super::CheckError;
 use super::scratch::Scratch;
 use crate::broker::{AmqpConfig, Topology, close_channel, queue_counts};
-use crate::dlq::{self, Action, DlqConfig, Filter};
+use crate::dlq::{self, Action, DlqConfig};
 use crate::handler::{FailureKind, Handler};
 use crate::probe::{Point, Probe, Verdict};
 use crate::retry::RetryPolicy;
+use crate::target::Target;
 use crate::trial::proxy::Proxy;
 use crate::trial::{Load, Repeats};
 use crate::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
@@ -306,16 +307,13 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
     /// Replays every dead letter of the run (bodies that can never decode
     /// aside), as `dlq replay` does.
     async fn replay(&self, scratch: &Scratch, topology: &Topology) -> Result<(), CheckError> {
-        let config = DlqConfig {
-            amqp: self.amqp.clone(),
-            database: scratch.database.clone(),
-            consumer_group: self.consumer_group.to_owned(),
-            dead_letter_queue: topology.dead_letter_queue.clone(),
-            filter: Filter::default(),
-            limit: None,
-            every_letter: false,
-            patience: self.patience,
-        };
+        let config = DlqConfig::new(Target::new(
+            self.amqp.clone(),
+            scratch.database.clone(),
+            topology.clone(),
+            self.consumer_group,
+            self.patience,
+        ));
         let action = Action::Replay {
             rate: None,
             include_invalid: false,

@@ -571,16 +571,14 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                     };
                     args.own.start(Arc::clone(&handler), start)
                 };
-                companions
-                    .around(config, Arc::clone(&handler), &shutdown, start)
-                    .await?;
+                companions.around(config, &shutdown, start).await?;
             }
             Command::Relay(args) => {
                 return relay_outbox::<H>(&args, &self.outgoing, &shutdown).await;
             }
             Command::Prune(args) => {
                 let settings = args.config()?;
-                let outcome = prune::run(&settings, &handler, &shutdown).await?;
+                let outcome = prune::run::<H>(&settings, &shutdown).await?;
                 println!("{outcome}");
             }
             Command::Requeue(args) => {

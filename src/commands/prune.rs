@@ -10,26 +10,23 @@ use tokio_util::sync::CancellationToken;
 use crate::broker;
 use crate::dlq::{self, DlqConfig};
 use crate::handler::Handler;
-use crate::retry::RetryPolicy;
 use crate::store::Store;
 use crate::store::retention::{self, PruneConfig, Pruned};
+use crate::target::Target;
 
 /// `idem prune`'s settings.
 #[derive(Debug, Clone)]
 pub struct PruneSettings {
-    /// The dead-letter queue whose messages an operator may still replay,
-    /// the database, and the consumer group.
-    pub target: DlqConfig,
-    /// The group's work queue: what waits there while no worker consumes it
-    /// may be older than the window.
-    pub work_queue: String,
+    /// The servers and the group: its work queue (what waits there while no
+    /// worker consumes it may be older than the window), its dead-letter
+    /// queue (whose letters an operator may still replay), and its retry
+    /// policy (a message may come back as long after its first delivery as
+    /// it waits through its attempts).
+    pub target: Target,
     /// Remove what is older than this.
     pub older_than: Duration,
     /// Refuse a window shorter than this.
     pub min_retention: Duration,
-    /// The group's retry policy: a message may come back as long after its
-    /// first delivery as it waits through its attempts.
-    pub retry: RetryPolicy,
     /// How long an epoch stays current.
     pub epoch_length: Duration,
     /// Longest wait for a lock (see [`PruneConfig::lock_timeout`]).
@@ -68,7 +65,7 @@ impl PruneSettings {
             )
             .into());
         }
-        let retries = self.retry.longest_wait();
+        let retries = self.target.topology.retry.longest_wait();
         if self.older_than <= retries {
             return Err(anyhow!(
                 "a window of {window} is not longer than a message's retries wait in all ({}): a \
@@ -103,16 +100,14 @@ pub struct Outcome {
 /// Checks the window against the safety rule, then prunes once.
 pub async fn run<H: Handler>(
     settings: &PruneSettings,
-    handler: &H,
     shutdown: &CancellationToken,
 ) -> crate::error::CommandResult<Outcome> {
-    Ok(prune_once(settings, handler, shutdown).await?)
+    Ok(prune_once::<H>(settings, shutdown).await?)
 }
 
 /// [`run`].
 async fn prune_once<H: Handler>(
     settings: &PruneSettings,
-    _handler: &H,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Outcome> {
     settings.check_window()?;
@@ -123,7 +118,7 @@ async fn prune_once<H: Handler>(
     // delivery limit), every epoch is kept until a sync. That waits for
     // the database first, and says if it is not migrated.
     let target = &settings.target;
-    let index = dlq::index_state::<H>(target, shutdown)
+    let index = dlq::index_state::<H>(&DlqConfig::new(target.clone()), shutdown)
         .await
         .context("cannot tell which dead letters were applied, so nothing is pruned")?;
     let index_behind = index
@@ -136,7 +131,7 @@ async fn prune_once<H: Handler>(
     let (for_letters, applied) = store.held_by_dead_letters().await?;
     let work_queue = work_queue(settings).await?;
     let (unconsumed, no_work_queue) = match work_queue {
-        WorkQueue::Missing => (None, Some(settings.work_queue.clone())),
+        WorkQueue::Missing => (None, Some(target.topology.queue.clone())),
         WorkQueue::Unconsumed(messages) => (messages, None),
     };
     let pool = store.pool().clone();
@@ -185,7 +180,7 @@ enum WorkQueue {
 /// the queue is empty or consumed (its messages are then as old as the
 /// workers' lag).
 async fn work_queue(settings: &PruneSettings) -> anyhow::Result<WorkQueue> {
-    let queue = &settings.work_queue;
+    let queue = &settings.target.topology.queue;
     let connection = broker::connect(&settings.target.amqp, "idem prune").await?;
     let counts = async {
         let channel = connection.create_channel().await?;
@@ -206,12 +201,11 @@ async fn work_queue(settings: &PruneSettings) -> anyhow::Result<WorkQueue> {
 /// fails is logged and the next one tries again: the worker goes on.
 pub async fn keep_pruning<H: Handler>(
     settings: PruneSettings,
-    handler: H,
     interval: Duration,
     shutdown: CancellationToken,
 ) {
     loop {
-        match run(&settings, &handler, &shutdown).await {
+        match run::<H>(&settings, &shutdown).await {
             Ok(outcome) => match &outcome.pruned {
                 Some(pruned) if pruned.opened.is_some() || !pruned.dropped.is_empty() => {
                     tracing::info!(

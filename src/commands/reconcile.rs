@@ -159,11 +159,11 @@ async fn compare<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Reconciliation> {
     let dead = dead_letters(config, handler, shutdown).await?;
-    let pool = config.dlq.database.pool()?;
+    let pool = config.dlq.target.database.pool()?;
     let client = pool
         .get()
         .await
-        .with_context(|| format!("reading {}", config.dlq.database.describe()))?;
+        .with_context(|| format!("reading {}", config.dlq.target.database.describe()))?;
     let file = std::fs::File::open(&config.export)
         .with_context(|| format!("cannot read {}", config.export.display()))?;
     let mut lines = Lines::new(BufReader::new(file), &config.export)?;
@@ -180,7 +180,7 @@ async fn compare<H: Handler>(
         report: config.report.clone(),
         ..Reconciliation::default()
     };
-    let group = config.dlq.consumer_group.as_str();
+    let group = config.dlq.target.consumer_group.as_str();
     loop {
         let chunk = lines.next_chunk(config.chunk.max(1))?;
         if chunk.is_empty() {
@@ -285,9 +285,9 @@ async fn republish(
         .collect();
     let options = PublishOptions {
         window: PublishOptions::DEFAULT_WINDOW,
-        patience: config.dlq.patience,
+        patience: config.dlq.target.patience,
     };
-    let report = publish_all(&config.dlq.amqp, &messages, &options, shutdown).await?;
+    let report = publish_all(&config.dlq.target.amqp, &messages, &options, shutdown).await?;
     anyhow::ensure!(
         report.all_confirmed(),
         "republishing: {} of {} missing events confirmed",

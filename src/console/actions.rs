@@ -303,13 +303,7 @@ pub(super) async fn start<H: Handler>(
             include_invalid: false,
         },
     };
-    let mut dlq = DlqConfig::new(
-        config.target.amqp.clone(),
-        config.target.database.clone(),
-        config.target.consumer_group.clone(),
-        config.target.topology.dead_letter_queue.clone(),
-        config.target.patience,
-    );
+    let mut dlq = DlqConfig::new(config.target.clone());
     dlq.filter = selection.filter();
     let progress = Progress::counted();
     if let Ok(mut running) = console.inner.running.lock() {

@@ -8,7 +8,6 @@
 //! dead-lettered; a replayed duplicate is absorbed by the consume record.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use anyhow::Context;
 
@@ -18,25 +17,21 @@ use tracing::warn;
 
 use crate::broker::death::Death;
 use crate::broker::{
-    AmqpConfig, ConnectionWatch, Nacks, Reconnects, close, close_channel, connect_with_retry,
-    queue_counts,
+    ConnectionWatch, Nacks, Reconnects, close, close_channel, connect_with_retry, queue_counts,
 };
 use crate::handler::Handler;
 use crate::progress::Progress;
-use crate::store::{DatabaseConfig, IndexSummary, IndexTotals, LedgerEntry, ReadyError, Store};
+use crate::store::{IndexSummary, IndexTotals, LedgerEntry, ReadyError, Store};
+use crate::target::{OpenError, Target};
 
 /// Which dead-letter queue, and how to reach the failure ledger.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct DlqConfig {
-    /// The broker.
-    pub amqp: AmqpConfig,
-    /// The database holding the failure ledger and the consume records.
-    pub database: DatabaseConfig,
-    /// Whose ledger and records: the consumer group of the work queue.
-    pub consumer_group: String,
-    /// The dead-letter queue.
-    pub dead_letter_queue: String,
+    /// The servers and the consumer group whose dead letters these are (its
+    /// topology's dead-letter queue), and how long to keep trying to
+    /// (re)connect.
+    pub target: Target,
     /// Which messages to act on.
     pub filter: Filter,
     /// Act on at most this many (of those that match).
@@ -44,31 +39,23 @@ pub struct DlqConfig {
     /// Look at every letter in the queue, even once as many as the
     /// dead-letter index counts as matching were found.
     pub every_letter: bool,
-    /// How long to keep trying to (re)connect.
-    pub patience: Duration,
 }
 
 impl DlqConfig {
-    /// A pass over `dead_letter_queue`, the dead letters of
-    /// `consumer_group`, taking every letter (no filter, no limit) and
-    /// waiting at most `patience` for the servers.
-    pub fn new(
-        amqp: AmqpConfig,
-        database: DatabaseConfig,
-        consumer_group: impl Into<String>,
-        dead_letter_queue: impl Into<String>,
-        patience: Duration,
-    ) -> Self {
+    /// A pass over the dead-letter queue of `target`, taking every letter
+    /// (no filter, no limit).
+    pub fn new(target: Target) -> Self {
         Self {
-            amqp,
-            database,
-            consumer_group: consumer_group.into(),
-            dead_letter_queue: dead_letter_queue.into(),
+            target,
             filter: Filter::default(),
             limit: None,
             every_letter: false,
-            patience,
         }
+    }
+
+    /// The dead-letter queue.
+    pub fn dead_letter_queue(&self) -> &str {
+        &self.target.topology.dead_letter_queue
     }
 }
 
@@ -224,7 +211,7 @@ async fn pass<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Report> {
     let mut report = Report {
-        queue: config.dead_letter_queue.clone(),
+        queue: config.dead_letter_queue().to_owned(),
         file: match action {
             Action::Discard { file } => Some(file.clone()),
             _ => None,
@@ -241,24 +228,24 @@ async fn pass<H: Handler>(
         ),
         _ => None,
     };
-    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
     // The ledger and the consume records are read for every chunk, and
     // reset before every replay: a schema that lacks them is said up front.
-    let server = config.database.describe();
-    match store
-        .wait_until_ready::<H>(&server, config.patience, shutdown)
-        .await
-    {
-        Err(ReadyError::Interrupted) => return Ok(report),
-        ready => ready?,
-    }
-    let mut reconnects = Reconnects::new(config.patience, "working through dead letters");
-    let mut nacks = Nacks::new(config.patience);
+    let store = match config.target.ready_store::<H>(shutdown).await {
+        Err(OpenError::Ready(ReadyError::Interrupted)) => return Ok(report),
+        store => store?,
+    };
+    let mut reconnects = Reconnects::new(config.target.patience, "working through dead letters");
+    let mut nacks = Nacks::new(config.target.patience);
     let mut consuming = None;
     loop {
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();
-        let connection =
-            connect_with_retry(&config.amqp, "idem dlq", config.patience, shutdown).await?;
+        let connection = connect_with_retry(
+            &config.target.amqp,
+            "idem dlq",
+            config.target.patience,
+            shutdown,
+        )
+        .await?;
         let _watch = ConnectionWatch::start(&connection, "replaying dead letters");
         let pass = Pass {
             config,
@@ -347,17 +334,12 @@ async fn index_state_of<H: Handler>(
     config: &DlqConfig,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexState> {
-    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
-    let server = config.database.describe();
-    match store
-        .wait_until_ready::<H>(&server, config.patience, shutdown)
-        .await
-    {
-        Err(ReadyError::Interrupted) => anyhow::bail!("interrupted"),
-        ready => ready?,
-    }
+    let store = match config.target.ready_store::<H>(shutdown).await {
+        Err(OpenError::Ready(ReadyError::Interrupted)) => anyhow::bail!("interrupted"),
+        store => store?,
+    };
     Ok(IndexState {
-        queue: config.dead_letter_queue.clone(),
+        queue: config.dead_letter_queue().to_owned(),
         in_queue: dead_letter_depth(config, shutdown).await?,
         totals: store.dead_letter_totals().await?,
     })
@@ -369,10 +351,17 @@ async fn dead_letter_depth(
     config: &DlqConfig,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<Option<u32>> {
-    let connection =
-        connect_with_retry(&config.amqp, "idem dlq", config.patience, shutdown).await?;
+    let connection = connect_with_retry(
+        &config.target.amqp,
+        "idem dlq",
+        config.target.patience,
+        shutdown,
+    )
+    .await?;
     let channel = connection.create_channel().await?;
-    let counts = queue_counts(&channel, &config.dead_letter_queue).await.ok();
+    let counts = queue_counts(&channel, config.dead_letter_queue())
+        .await
+        .ok();
     if counts.is_some() {
         close_channel(&channel).await;
     }
@@ -395,7 +384,10 @@ async fn summary_of<H: Handler>(
     shutdown: &CancellationToken,
 ) -> anyhow::Result<IndexedSummary> {
     let state = index_state_of::<H>(config, shutdown).await?;
-    let store = Store::new(config.database.pool()?, config.consumer_group.clone());
+    let store = Store::new(
+        config.target.database.pool()?,
+        config.target.consumer_group.clone(),
+    );
     let summary = store.dead_letter_summary(&config.filter).await?;
     Ok(IndexedSummary { state, summary })
 }

@@ -175,9 +175,9 @@ impl<H: Handler> Pass<'_, H> {
         if let Some(others) = *self.consuming {
             await_released(
                 &getter,
-                &self.config.dead_letter_queue,
+                self.config.dead_letter_queue(),
                 others,
-                self.config.patience,
+                self.config.target.patience,
             )
             .await?;
             *self.consuming = None;
@@ -203,7 +203,8 @@ impl<H: Handler> Pass<'_, H> {
         };
         // At most what is in the queue when the pass starts: what dies while
         // it runs (a replay that fails again, say) is for the next run.
-        let taking = Taking::start(&getter, &self.config.dead_letter_queue, self.consuming).await?;
+        let taking =
+            Taking::start(&getter, self.config.dead_letter_queue(), self.consuming).await?;
         self.progress.set_total(taking.left as u64);
         self.report.in_queue = taking.left;
         self.report.limited = false;
@@ -348,7 +349,7 @@ impl<H: Handler> Pass<'_, H> {
             // answered only once the queue has applied every ack before it.
             if let Some(message) = getter
                 .basic_get(
-                    self.config.dead_letter_queue.as_str().into(),
+                    self.config.dead_letter_queue().into(),
                     BasicGetOptions { no_ack: false },
                 )
                 .await?
@@ -391,7 +392,7 @@ impl<H: Handler> Pass<'_, H> {
         let given_back = u32::try_from(self.held.len()).unwrap_or(u32::MAX);
         let channel = connection.create_channel().await?;
         let deadline = Instant::now() + GIVE_BACK_WAIT;
-        while ready_messages(&channel, &self.config.dead_letter_queue).await? < given_back
+        while ready_messages(&channel, self.config.dead_letter_queue()).await? < given_back
             && Instant::now() < deadline
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -681,7 +682,7 @@ impl<H: Handler> Pass<'_, H> {
             .map(|kept| {
                 let copy = Outgoing {
                     exchange: String::new(),
-                    routing_key: self.config.dead_letter_queue.clone(),
+                    routing_key: self.config.dead_letter_queue().to_owned(),
                     body: kept.body,
                     properties: kept.properties,
                 };

@@ -1,5 +1,7 @@
 //! The dead letters' text and matching, without servers.
 
+use std::time::Duration;
+
 use super::*;
 use crate::handler::Invalid;
 use crate::store::dead_letters::event_key;

@@ -7,13 +7,12 @@ use std::time::Duration;
 
 use idem::commands::prune::PruneSettings;
 use idem::console::{Console, ConsoleConfig};
-use idem::dlq::DlqConfig;
 use idem::{Companions, Mode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::deposits::{self, Deposits};
-use crate::support::{patient, wait_for, with_env};
+use crate::support::{wait_for, with_env};
 
 /// The status line of a request to `addr`: `GET /` or a form `POST`.
 async fn status_of(addr: std::net::SocketAddr, request: &str) -> anyhow::Result<String> {
@@ -39,20 +38,11 @@ async fn a_teams_main_runs_the_worker_with_its_console_and_its_pruner() -> anyho
         let handler = Arc::new(Deposits::default());
         let console = ConsoleConfig::new(config.target());
         let console = Console::new(console, Arc::clone(&handler), shutdown.clone()).await?;
-        let target = DlqConfig::new(
-            env.amqp.clone(),
-            env.database.clone(),
-            "deposits",
-            env.topology.dead_letter_queue.clone(),
-            patient(Duration::from_secs(30)),
-        );
         let window = Duration::from_secs(8 * 24 * 3600);
         let retention = PruneSettings {
-            target,
-            work_queue: env.topology.queue.clone(),
+            target: config.target(),
             older_than: window,
             min_retention: PruneSettings::DEFAULT_MIN_RETENTION,
-            retry: env.topology.retry.clone(),
             epoch_length: PruneSettings::epoch_length(window, None),
             lock_timeout: PruneSettings::DEFAULT_LOCK_TIMEOUT,
             dry_run: false,

@@ -473,10 +473,10 @@ async fn replay_cut_off_mid_way(
 ) -> anyhow::Result<idem::dlq::Report> {
     let broker = Proxy::start(amqp_address()).await?;
     let mut config = env.dlq_config();
-    config.amqp =
+    config.target.amqp =
         idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(env.amqp_url_via(broker.port)));
     config.filter = filter;
-    config.patience = patient(Duration::from_secs(20));
+    config.target.patience = patient(Duration::from_secs(20));
     let replaying = tokio::spawn(async move {
         let never = tokio_util::sync::CancellationToken::new();
         idem::dlq::run(&config, &action, &idem_points::points::Points, &never).await

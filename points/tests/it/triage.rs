@@ -135,13 +135,7 @@ async fn idem(env: &TestEnv, args: &[&str]) -> anyhow::Result<(Option<i32>, Stri
 }
 
 fn config(env: &TestEnv, filter: Filter) -> DlqConfig {
-    let mut config = DlqConfig::new(
-        env.amqp.clone(),
-        env.database.clone(),
-        GROUP,
-        env.topology.dead_letter_queue.clone(),
-        patient(Duration::from_secs(5)),
-    );
+    let mut config = DlqConfig::new(env.target());
     config.filter = filter;
     config
 }
@@ -522,7 +516,7 @@ async fn a_replay_the_broker_nacks_goes_again_on_a_fresh_channel_until_it_is_con
     // Behind a slow consumer, most replays are nacked at first.
     let consumer = SlowConsumer::start(&env.amqp, &queue, Duration::from_millis(500)).await?;
     let mut config = config(&env, Filter::default());
-    config.patience = patient(Duration::from_secs(30));
+    config.target.patience = patient(Duration::from_secs(30));
     let action = Action::Replay {
         rate: None,
         include_invalid: false,

@@ -123,34 +123,26 @@ pub(crate) struct PruneArgs {
 impl PruneArgs {
     /// Settings of `prune`.
     pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
+        let topology = Topology {
+            retry: RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts),
+            ..Topology::for_queue(&self.queue)
+        };
         Ok(PruneSettings {
             dry_run: self.dry_run,
-            ..self.retention.settings(
-                self.target.config(Filter::default(), None)?,
-                self.queue.clone(),
-                self.older_than.0,
-                RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts),
-            )
+            ..self
+                .retention
+                .settings(self.target.target(topology)?, self.older_than.0)
         })
     }
 }
 
 impl RetentionArgs {
-    /// A prune's settings over `target` and `work_queue`, for a window of
-    /// `older_than`.
-    pub(super) fn settings(
-        &self,
-        target: DlqConfig,
-        work_queue: String,
-        older_than: Duration,
-        retry: RetryPolicy,
-    ) -> PruneSettings {
+    /// A prune's settings over `target`, for a window of `older_than`.
+    pub(super) fn settings(&self, target: Target, older_than: Duration) -> PruneSettings {
         PruneSettings {
             target,
-            work_queue,
             older_than,
             min_retention: self.min_retention.0,
-            retry,
             epoch_length: PruneSettings::epoch_length(
                 older_than,
                 self.epoch_length.as_ref().map(|length| length.0),
@@ -306,21 +298,33 @@ impl StatusArgs {
 }
 
 impl DlqTargetArgs {
-    /// The dead-letter queue, with `filter` and `limit`.
+    /// The servers, the group and its dead-letter queue, with `topology`'s
+    /// other names.
+    pub(super) fn target(&self, topology: Topology) -> Result<Target, SettingError> {
+        Ok(Target::new(
+            self.amqp.config(),
+            self.database.config(2),
+            Topology {
+                dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
+                ..topology
+            },
+            self.group.consumer_group()?,
+            self.wait.startup_timeout.0,
+        ))
+    }
+
+    /// The dead-letter queue, with `filter` and `limit`. A pass needs no
+    /// other queue: a replay goes to the queue each letter died in.
     pub(super) fn config(
         &self,
         filter: Filter,
         limit: Option<usize>,
     ) -> Result<DlqConfig, SettingError> {
+        let topology = Topology::for_queue(&self.dead_letters.dead_letter_queue);
         Ok(DlqConfig {
-            amqp: self.amqp.config(),
-            database: self.database.config(2),
-            consumer_group: self.group.consumer_group()?,
-            dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
             filter,
             limit,
-            every_letter: false,
-            patience: self.wait.startup_timeout.0,
+            ..DlqConfig::new(self.target(topology)?)
         })
     }
 }

@@ -19,11 +19,11 @@ use crate::check::CheckConfig;
 use crate::commands::prune::PruneSettings;
 use crate::companions::Companions;
 use crate::console::{Console, ConsoleConfig};
-use crate::dlq::DlqConfig;
 use crate::handler::Handler;
 use crate::relay::RelayConfig;
 use crate::retry::RetryPolicy;
-use crate::store::{DatabaseConfig, Filter};
+use crate::store::DatabaseConfig;
+use crate::target::Target;
 use crate::vars;
 use crate::worker::{EpochSettings, Mode, WorkerConfig};
 
@@ -317,22 +317,14 @@ impl<F: Args> WorkerArgs<F> {
         let Some(window) = &self.retention else {
             return Ok(None);
         };
-        let target = DlqConfig {
-            amqp: self.amqp.config(),
-            database: self.database.config(2),
-            consumer_group: self.group.consumer_group()?,
-            dead_letter_queue: self.queues.dead_letters.dead_letter_queue.clone(),
-            filter: Filter::default(),
-            limit: None,
-            every_letter: false,
-            patience: self.wait.startup_timeout.0,
-        };
-        let settings = self.retention_rules.settings(
-            target,
-            self.queues.queue.clone(),
-            window.0,
-            self.topology().retry,
+        let target = Target::new(
+            self.amqp.config(),
+            self.database.config(2),
+            self.topology(),
+            self.group.consumer_group()?,
+            self.wait.startup_timeout.0,
         );
+        let settings = self.retention_rules.settings(target, window.0);
         settings
             .check_window()
             .map_err(|error| SettingError(format!("--retention: {error}")))?;

@@ -342,11 +342,17 @@ impl TestEnv {
     /// The dead-letter commands' settings for this test's queue, ledger
     /// and records, with no filter.
     pub fn dlq_config(&self) -> idem::dlq::DlqConfig {
-        idem::dlq::DlqConfig::new(
+        idem::dlq::DlqConfig::new(self.target())
+    }
+
+    /// What an operator command works on in this test: its servers, group
+    /// and queues, waiting five (patient) seconds for the servers.
+    pub fn target(&self) -> idem::Target {
+        idem::Target::new(
             self.amqp.clone(),
             self.database.clone(),
+            self.topology.clone(),
             GROUP,
-            self.topology.dead_letter_queue.clone(),
             patient(Duration::from_secs(5)),
         )
     }
