@@ -183,6 +183,26 @@ impl QueueArgs {
     }
 }
 
+/// The group's attempts, which the worker spends and `prune` waits out.
+#[derive(Debug, Args)]
+pub(crate) struct AttemptsArgs {
+    /// Genuine failures (counted in the failure ledger) after which a message is dead-lettered.
+    #[arg(
+        long,
+        env = vars::MAX_ATTEMPTS,
+        default_value_t = RetryPolicy::DEFAULT_ATTEMPTS,
+        value_parser = clap::value_parser!(u32).range(1..=1000)
+    )]
+    pub(crate) max_attempts: u32,
+}
+
+impl AttemptsArgs {
+    /// `policy` with these attempts.
+    pub(crate) fn applied(&self, policy: RetryPolicy) -> RetryPolicy {
+        policy.with_attempts(self.max_attempts)
+    }
+}
+
 /// Whose consume records and failure ledger.
 #[derive(Debug, Args)]
 #[command(next_help_heading = "Topology")]

@@ -8,8 +8,8 @@ use clap::builder::TypedValueParser;
 use clap::{Args, Subcommand};
 
 use super::{
-    AmqpArgs, DatabaseArgs, DeadLetterQueueArgs, Delays, GroupArgs, QueueArgs, RouteArgs,
-    SettingError, Wait, WaitArgs,
+    AmqpArgs, AttemptsArgs, DatabaseArgs, DeadLetterQueueArgs, Delays, GroupArgs, QueueArgs,
+    RouteArgs, SettingError, Wait, WaitArgs,
 };
 use crate::broker::Topology;
 use crate::commands::prune::PruneSettings;
@@ -103,15 +103,8 @@ pub(crate) struct PruneArgs {
         default_value_t = Delays(RetryPolicy::DEFAULT_DELAYS.to_vec())
     )]
     pub(crate) retry_delays: Delays,
-    /// The group's attempts (as the worker's --max-attempts): a message
-    /// waits through the delays before each of them.
-    #[arg(
-        long,
-        env = vars::MAX_ATTEMPTS,
-        default_value_t = RetryPolicy::DEFAULT_ATTEMPTS,
-        value_parser = clap::value_parser!(u32).range(1..=1000)
-    )]
-    pub(crate) max_attempts: u32,
+    #[command(flatten)]
+    pub(crate) attempts: AttemptsArgs,
     /// The group's work queue: while messages wait there and no worker
     /// consumes it, no epoch is dropped.
     #[arg(long, env = vars::QUEUE, help_heading = "Topology")]
@@ -124,7 +117,9 @@ impl PruneArgs {
     /// Settings of `prune`.
     pub(crate) fn config(&self) -> Result<PruneSettings, SettingError> {
         let topology = Topology {
-            retry: RetryPolicy::new(self.retry_delays.0.clone(), self.max_attempts),
+            retry: self
+                .attempts
+                .applied(RetryPolicy::default().with_delays(self.retry_delays.0.clone())),
             ..Topology::for_queue(&self.queue)
         };
         Ok(PruneSettings {

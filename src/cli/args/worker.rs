@@ -11,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::{
-    AmqpArgs, DatabaseArgs, GroupArgs, QueueArgs, RetentionArgs, RouteArgs, ServerArgs,
-    SettingError, Wait, WaitArgs, choice, socket_addr, topology,
+    AmqpArgs, AttemptsArgs, DatabaseArgs, GroupArgs, QueueArgs, RetentionArgs, RouteArgs,
+    ServerArgs, SettingError, Wait, WaitArgs, choice, socket_addr, topology,
 };
 use crate::broker::Topology;
 use crate::check::CheckConfig;
@@ -21,7 +21,6 @@ use crate::companions::Companions;
 use crate::console::{Console, ConsoleConfig};
 use crate::handler::Handler;
 use crate::relay::RelayConfig;
-use crate::retry::RetryPolicy;
 use crate::store::DatabaseConfig;
 use crate::target::Target;
 use crate::vars;
@@ -39,14 +38,8 @@ pub(crate) struct MigrateArgs {
 /// `worker`, with the handler's own flags `F`.
 #[derive(Debug, Args)]
 pub(crate) struct WorkerArgs<F: Args> {
-    /// Genuine failures (counted in the failure ledger) after which a message is dead-lettered.
-    #[arg(
-        long,
-        env = vars::MAX_ATTEMPTS,
-        default_value_t = RetryPolicy::DEFAULT_ATTEMPTS,
-        value_parser = clap::value_parser!(u32).range(1..=1000)
-    )]
-    pub(crate) max_attempts: u32,
+    #[command(flatten)]
+    pub(crate) attempts: AttemptsArgs,
     /// `batch`: many deliveries per transaction; `per-message`: one transaction per delivery.
     #[arg(
         long,
@@ -283,7 +276,7 @@ impl<F: Args> WorkerArgs<F> {
     fn topology(&self) -> Topology {
         let topology = topology(&self.route, &self.queues);
         Topology {
-            retry: topology.retry.clone().with_attempts(self.max_attempts),
+            retry: self.attempts.applied(topology.retry.clone()),
             ..topology
         }
     }
