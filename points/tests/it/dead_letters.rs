@@ -133,8 +133,7 @@ async fn a_failing_transaction_is_retried_then_dead_lettered_and_replayed_once_f
         || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
     )
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     // The record rolled back with the points, every time.
     assert_eq!(env.records_of("payment-success-50001", GROUP).await?, 0);
@@ -403,8 +402,7 @@ async fn an_event_whose_digest_another_event_holds_is_dead_lettered_not_skipped(
     )
     .await?;
     worker.wait_finished(2, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     assert_eq!(env.points("60001").await?, 0);
     assert_eq!(env.points("60002").await?, 20);
@@ -504,8 +502,7 @@ async fn a_dead_letter_copy_the_broker_nacks_goes_again_and_arrives_once() -> an
     })
     .await?;
     worker.wait_finished(1, Duration::from_secs(30)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     assert_eq!(stats.invalid, 1);
     // Stopped, the worker holds nothing: what it had not acked is ready.

@@ -98,8 +98,7 @@ async fn severing_the_broker_connection_three_times_loses_nothing(
         .await?;
     }
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!(
         stats.reconnects, 3,
         "recovered by itself each time: {stats:?}"
@@ -152,8 +151,7 @@ async fn a_thirty_second_database_outage_dead_letters_nothing_and_the_worker_res
     database.restore();
 
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
     assert_exact(&env, &load, &[]).await
 }
@@ -180,8 +178,7 @@ async fn terminating_the_workers_database_sessions_loses_nothing(mode: Mode) -> 
             .len();
     }
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert!(terminated >= 5, "sessions were terminated: {terminated}");
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
     assert_exact(&env, &load, &[]).await
@@ -726,8 +723,7 @@ async fn a_broker_loss_during_a_database_outage(
         env.publish_events(&load).await?;
     }
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
     assert_exact(&env, &load, &[]).await
 }
@@ -805,8 +801,7 @@ async fn a_database_refusing_new_connections_holds_deliveries_and_dead_letters_n
     assert_eq!(dead, 0, "nothing dead-lettered");
 
     wait_applied(&env, &load, Duration::from_secs(90)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
     assert_exact(&env, &load, &[]).await
 }
@@ -867,8 +862,7 @@ async fn a_failure_the_ledger_cannot_take_holds_its_delivery_instead_of_returnin
         || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
     )
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.retried, stats.dead_lettered), (4, 1), "{stats:?}");
     assert_exact(&env, &good, &[poison.to_body()]).await?;
     let letters = env.dead_letters().await?;
@@ -1004,8 +998,7 @@ async fn a_database_server_crash_loses_nothing_the_worker_acked() -> anyhow::Res
         || async { Ok(env.ready(&env.topology.queue).await? == 0) },
     )
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert!(
         stats.infrastructure_retries > 0,
         "it saw the crashes: {stats:?}"

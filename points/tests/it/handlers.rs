@@ -100,8 +100,7 @@ async fn a_flawed_handler(
         || async { Ok(env.ready(&env.topology.dead_letter_queue).await? == 1) },
     )
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     assert_exact(&env, &good, &[chosen.to_body()]).await?;
     assert_eq!(
@@ -192,8 +191,7 @@ async fn a_copy_that_arrives_after_its_event_ran_out_of_attempts_spends_no_more(
         dead(2),
     )
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!(
         (stats.retried, stats.dead_lettered),
         (attempts - 1, 2),

@@ -44,8 +44,7 @@ async fn an_event_published_again_later_is_still_applied_once(mode: Mode) -> any
     env.publish_events(&[event]).await?;
     let worker = RunningWorker::start(env.worker_config(mode));
     worker.wait_finished(1, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     assert_eq!((stats.applied, stats.duplicates), (0, 1));
     assert_eq!(env.points("20001").await?, 30);

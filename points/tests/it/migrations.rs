@@ -70,8 +70,7 @@ impl Schema {
         worker
             .wait_finished(events.len() as u64, Duration::from_secs(20))
             .await?;
-        let stats = worker.stats.snapshot();
-        worker.stop().await?;
+        let stats = worker.stop().await?;
         Ok((stats.applied, stats.duplicates))
     }
 

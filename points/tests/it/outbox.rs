@@ -420,8 +420,7 @@ async fn a_refused_message_stays_in_the_outbox_is_counted_and_holds_up_no_other(
         Ok(unsent(&env).await? == n as i64)
     })
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!(stats.outbox_sent, n);
     assert_eq!(
         outbox_count(&env, &format!("exchange = '{nowhere}' AND sent_at IS NULL")).await?,

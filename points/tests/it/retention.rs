@@ -431,8 +431,7 @@ async fn without_memory_for_filters_no_epoch_opens_by_size_and_earlier_events_ar
     .await?;
     env.publish_events(&events).await?;
     worker.wait_finished(6000, Duration::from_secs(30)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.applied, stats.duplicates), (3000, 3000));
     assert_eq!(env.count_rows("mq_consume_filter").await?, 0);
     Ok(())
@@ -680,8 +679,7 @@ async fn a_prune_keeps_every_epoch_while_messages_wait_for_a_worker() -> anyhow:
     // A worker takes the copy (a duplicate); then the epoch goes.
     let worker = RunningWorker::start(env.worker_config(Mode::Batch));
     worker.wait_finished(1, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.applied, stats.duplicates), (0, 1));
     let (code, text) = prune(&env, &["--older-than", "8d"]).await?;
     assert_eq!(code, Some(0), "{text}");

@@ -137,8 +137,7 @@ async fn a_message_that_fails_until_its_row_arrives_applies_at_a_later_attempt_s
         Ok(env.records_of(&event.event_id, GROUP).await? == 1)
     })
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     let attempts = attempts
         .lock()
@@ -192,8 +191,7 @@ async fn a_message_that_keeps_failing_is_dead_lettered_after_exactly_its_attempt
         Ok(env.ready(&env.topology.dead_letter_queue).await? == 1)
     })
     .await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
 
     let attempts = attempts
         .lock()

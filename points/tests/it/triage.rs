@@ -391,8 +391,7 @@ async fn a_replay_takes_the_filters_leaves_invalid_bodies_and_keeps_to_its_rate(
     );
     let worker = RunningWorker::start(env.worker_config(Mode::Batch));
     worker.wait_finished(4, Duration::from_secs(20)).await?;
-    let stats = worker.stats.snapshot();
-    worker.stop().await?;
+    let stats = worker.stop().await?;
     assert_eq!((stats.applied, stats.duplicates), (3, 1), "{stats:?}");
     assert_eq!(env.points("poison-order").await?, 2);
     assert_eq!(env.points("fine-order").await?, 3 + 4);

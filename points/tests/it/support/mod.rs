@@ -28,7 +28,7 @@ use idem::broker::{
 use idem::secret::SecretUrl;
 use idem::store::{DatabaseConfig, migrate};
 use idem::vars;
-use idem::worker::{Mode, Stats, Worker, WorkerConfig, WorkerError};
+use idem::worker::{Mode, Snapshot, Stats, Worker, WorkerConfig, WorkerError};
 use idem_points::points::PaymentSucceeded;
 
 mod broker;

@@ -32,10 +32,13 @@ impl RunningWorker {
         }
     }
 
-    /// Asks it to stop and waits until it has.
-    pub async fn stop(self) -> anyhow::Result<()> {
+    /// Asks it to stop, waits until it has, and gives its final counts:
+    /// what it finished in flight is counted in them, unlike a snapshot
+    /// taken while it runs (it counts a delivery after its commit).
+    pub async fn stop(self) -> anyhow::Result<Snapshot> {
         self.shutdown.cancel();
-        Ok(tokio::time::timeout(patient(Duration::from_secs(30)), self.handle).await???)
+        tokio::time::timeout(patient(Duration::from_secs(30)), self.handle).await???;
+        Ok(self.stats.snapshot())
     }
 
     /// Waits until it has finished (acked or dead-lettered) `n` deliveries.
