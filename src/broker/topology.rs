@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ExchangeBindOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ExchangeKind as AmqpKind};
@@ -45,6 +45,9 @@ pub struct Topology {
     /// (`x-quorum-initial-group-size`; a cluster of fewer nodes gives each
     /// node one). A queue that exists keeps the replicas it has.
     pub quorum_size: u32,
+    /// The slot queues of an ordered queue ([`Topology::ordered`]); 0 for
+    /// an unordered one, whose work queue is bound to the exchange.
+    pub slots: u16,
 }
 
 /// An exchange a service publishes to (its outbox's messages): declared by
@@ -258,6 +261,48 @@ impl Topology {
             delivery_limit: Self::DEFAULT_DELIVERY_LIMIT,
             retry: RetryPolicy::default(),
             quorum_size: Self::DEFAULT_QUORUM_SIZE,
+            slots: 0,
+        }
+    }
+
+    /// The same objects, ordered per key over `slots` slot queues
+    /// (`<work queue>.slot.0` …): the exchange routes the events to the
+    /// consistent-hash exchange `<work queue>.slots` (RabbitMQ's
+    /// `rabbitmq_consistent_hash_exchange` plugin), which hashes each
+    /// message's [`ORDERING_KEY_HEADER`](crate::handler::ORDERING_KEY_HEADER)
+    /// to choose its slot; each slot is a quorum queue with a single active
+    /// consumer, so that a key's events come out of it in the order they
+    /// went in. The work queue is then bound to nothing. A key's failed
+    /// head is retried from PostgreSQL, not through the wait queues.
+    pub fn ordered(self, slots: u16) -> Self {
+        Self { slots, ..self }
+    }
+
+    /// Whether events are applied in order per key.
+    pub fn is_ordered(&self) -> bool {
+        self.slots > 0
+    }
+
+    /// The consistent-hash exchange of an ordered queue: `<work queue>.slots`.
+    pub fn slots_exchange(&self) -> String {
+        format!("{}.slots", self.queue)
+    }
+
+    /// The slot queues of an ordered queue, in order; none for an
+    /// unordered one.
+    pub fn slot_queues(&self) -> Vec<String> {
+        (0..self.slots)
+            .map(|slot| format!("{}.slot.{slot}", self.queue))
+            .collect()
+    }
+
+    /// The queues a worker consumes: the slot queues of an ordered queue,
+    /// else the work queue.
+    pub fn consumed_queues(&self) -> Vec<String> {
+        if self.is_ordered() {
+            self.slot_queues()
+        } else {
+            vec![self.queue.clone()]
         }
     }
 
@@ -281,6 +326,7 @@ impl Topology {
     /// the wait queues.
     pub fn queues(&self) -> Vec<String> {
         let mut queues = vec![self.queue.clone(), self.dead_letter_queue.clone()];
+        queues.extend(self.slot_queues());
         queues.extend(
             self.retry
                 .waits()
@@ -370,6 +416,11 @@ impl Topology {
         for delay in self.retry.waits() {
             queues.push((self.wait_queue(delay), self.wait_queue_arguments(delay)));
         }
+        for slot in self.slot_queues() {
+            let mut arguments = self.work_queue_arguments();
+            arguments.push(("x-single-active-consumer", json!(true)));
+            queues.push((slot, arguments));
+        }
         queues
     }
 
@@ -388,22 +439,39 @@ impl Topology {
         ] {
             exchange.declare(&channel).await?;
         }
+        if self.is_ordered() {
+            self.declare_slots_exchange(&channel).await?;
+        }
         for (name, arguments) in self.queue_arguments() {
             channel = self
                 .declare_queue(connection, channel, &name, arguments)
                 .await?;
         }
-        for (queue, exchange, key) in self.bindings() {
-            channel
-                .queue_bind(
-                    queue.into(),
-                    exchange.into(),
-                    key.into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(|e| TopologyError::from_lapin(format!("binding of '{queue}'"), e))?;
+        for binding in self.bindings() {
+            let bound = if binding.to_exchange {
+                channel
+                    .exchange_bind(
+                        binding.destination.as_str().into(),
+                        binding.source.as_str().into(),
+                        binding.key.as_str().into(),
+                        ExchangeBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+            } else {
+                channel
+                    .queue_bind(
+                        binding.destination.as_str().into(),
+                        binding.source.as_str().into(),
+                        binding.key.as_str().into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+            };
+            bound.map_err(|e| {
+                TopologyError::from_lapin(format!("binding of '{}'", binding.destination), e)
+            })?;
         }
         super::connection::close_channel(&channel).await;
         Ok(())
@@ -517,7 +585,8 @@ impl Topology {
                 .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
                 .await?;
         }
-        for exchange in self.exchanges() {
+        let slots = self.is_ordered().then(|| self.slots_exchange());
+        for exchange in self.exchanges().into_iter().chain(slots.as_deref()) {
             channel
                 .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
                 .await?;
@@ -525,16 +594,75 @@ impl Topology {
         Ok(())
     }
 
-    /// (queue, exchange, routing key) of each binding.
-    fn bindings(&self) -> [(&str, &str, &str); 2] {
-        [
-            (&self.queue, &self.exchange, &self.routing_key),
-            (
-                &self.dead_letter_queue,
-                &self.dead_letter_exchange,
+    /// Each binding: the work queue's (or the slots'), the dead letters'.
+    fn bindings(&self) -> Vec<Binding> {
+        let binding = |destination: &str, source: &str, key: &str, to_exchange| Binding {
+            destination: destination.to_owned(),
+            source: source.to_owned(),
+            key: key.to_owned(),
+            to_exchange,
+        };
+        let mut bindings = vec![binding(
+            &self.dead_letter_queue,
+            &self.dead_letter_exchange,
+            &self.queue,
+            false,
+        )];
+        if self.is_ordered() {
+            let slots = self.slots_exchange();
+            bindings.push(binding(&slots, &self.exchange, &self.routing_key, true));
+            // Each slot takes an equal share of the hash space.
+            for slot in self.slot_queues() {
+                bindings.push(binding(&slot, &slots, "1", false));
+            }
+        } else {
+            bindings.push(binding(
                 &self.queue,
-            ),
-        ]
+                &self.exchange,
+                &self.routing_key,
+                false,
+            ));
+        }
+        bindings
+    }
+
+    /// The consistent-hash exchange of an ordered queue, hashing the
+    /// ordering key's header.
+    async fn declare_slots_exchange(&self, channel: &Channel) -> Result<(), TopologyError> {
+        let name = self.slots_exchange();
+        channel
+            .exchange_declare(
+                name.as_str().into(),
+                AmqpKind::Custom(CONSISTENT_HASH.into()),
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                field_table(&self.slots_exchange_arguments()),
+            )
+            .await
+            .map_err(|source| match source.kind() {
+                lapin::ErrorKind::ProtocolError(amqp)
+                    if amqp
+                        .get_message()
+                        .as_str()
+                        .contains("invalid exchange type") =>
+                {
+                    TopologyError::Refused {
+                        object: format!("exchange '{name}'"),
+                        broker: format!(
+                            "{}; an ordered queue needs the plugin: \
+                             rabbitmq-plugins enable rabbitmq_consistent_hash_exchange",
+                            amqp.get_message()
+                        ),
+                    }
+                }
+                _ => TopologyError::from_lapin(format!("exchange '{name}'"), source),
+            })
+    }
+
+    fn slots_exchange_arguments(&self) -> Vec<(&'static str, Value)> {
+        vec![("hash-header", json!(crate::handler::ORDERING_KEY_HEADER))]
     }
 
     /// The exchanges, queues and bindings of this topology in RabbitMQ's
@@ -552,13 +680,33 @@ impl Topology {
         let bindings: Vec<Value> = self
             .bindings()
             .iter()
-            .map(|(queue, exchange, key)| {
-                json!({"source": exchange, "vhost": vhost, "destination": queue,
-                       "destination_type": "queue", "routing_key": key, "arguments": {}})
+            .map(|binding| {
+                let kind = if binding.to_exchange {
+                    "exchange"
+                } else {
+                    "queue"
+                };
+                json!({"source": binding.source, "vhost": vhost,
+                       "destination": binding.destination, "destination_type": kind,
+                       "routing_key": binding.key, "arguments": {}})
             })
             .collect();
+        let mut exchanges = vec![
+            exchange(&self.exchange, "topic"),
+            exchange(&self.dead_letter_exchange, "direct"),
+        ];
+        if self.is_ordered() {
+            let mut slots = exchange(&self.slots_exchange(), CONSISTENT_HASH);
+            slots["arguments"] = Value::Object(
+                self.slots_exchange_arguments()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v))
+                    .collect(),
+            );
+            exchanges.push(slots);
+        }
         json!({
-            "exchanges": [exchange(&self.exchange, "topic"), exchange(&self.dead_letter_exchange, "direct")],
+            "exchanges": exchanges,
             "queues": self
                 .queue_arguments()
                 .into_iter()
@@ -567,6 +715,18 @@ impl Topology {
             "bindings": bindings,
         })
     }
+}
+
+/// The type of RabbitMQ's consistent-hash exchange (a plugin).
+const CONSISTENT_HASH: &str = "x-consistent-hash";
+
+/// A binding of a queue, or of an exchange, to an exchange.
+struct Binding {
+    destination: String,
+    source: String,
+    key: String,
+    /// Whether the destination is an exchange.
+    to_exchange: bool,
 }
 
 /// A new channel on `connection`, for declaring `object`.

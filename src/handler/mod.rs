@@ -22,6 +22,15 @@ pub use outbox::{Outbox, OutboxMessage, given_up_id, message_id};
 /// Longest deduplication key, in characters: `mq_consume_record.event_id`.
 pub const MAX_EVENT_ID_CHARS: usize = 128;
 
+/// Longest ordering key, in characters: `mq_parked_key.ordering_key`.
+pub const MAX_ORDERING_KEY_CHARS: usize = 128;
+
+/// The header a producer sets to an event's ordering key when it publishes
+/// to an ordered queue: RabbitMQ's consistent-hash exchange hashes it to
+/// choose the key's slot, and the worker checks that it names the key the
+/// handler reads from the body ([`Handler::ordering_key`]).
+pub const ORDERING_KEY_HEADER: &str = "idem-ordering-key";
+
 /// An effect applied once per event and consumer group.
 ///
 /// What idem guarantees around each call:
@@ -75,6 +84,22 @@ pub trait Handler: Send + Sync + 'static {
 
     /// The event's deduplication key.
     fn event_id<'e>(&self, event: &'e Self::Event) -> &'e str;
+
+    /// The event's ordering key (an order, an account, a seat), when its
+    /// effect depends on the order of the key's events: on an ordered
+    /// queue ([`crate::broker::Topology::ordered`]) idem applies a key's
+    /// events one at a time, in the order their slot delivered them, and
+    /// a key whose head failed keeps its later events parked until the
+    /// head applies (or an operator releases the key). On an ordered queue
+    /// an event must have one, 1 to [`MAX_ORDERING_KEY_CHARS`] characters
+    /// without control characters, equal to the message's
+    /// [`ORDERING_KEY_HEADER`]; else the message is invalid. The default
+    /// is none: the effect commutes (points credited in any order), and
+    /// the queue need not be ordered.
+    fn ordering_key<'e>(&self, event: &'e Self::Event) -> Option<&'e str> {
+        let _ = event;
+        None
+    }
 
     /// Applies fresh events inside idem's transaction. A handler whose
     /// effect is a [`tally`](Handler::tally) need not write it: the default
@@ -452,16 +477,28 @@ impl std::error::Error for Detailed {}
 
 /// idem's own rule for a deduplication key, whatever the handler returns.
 pub(crate) fn check_event_id(event_id: &str) -> Result<(), Invalid> {
-    if event_id.is_empty() {
-        return Err(Invalid::new("the event id is empty"));
+    check_key("event id", event_id, MAX_EVENT_ID_CHARS)
+}
+
+/// idem's own rule for an ordering key, whatever the handler returns: the
+/// same as an event id's.
+pub(crate) fn check_ordering_key(key: &str) -> Result<(), Invalid> {
+    check_key("ordering key", key, MAX_ORDERING_KEY_CHARS)
+}
+
+fn check_key(what: &str, key: &str, max_chars: usize) -> Result<(), Invalid> {
+    if key.is_empty() {
+        return Err(Invalid::new(format!("the {what} is empty")));
     }
-    if event_id.chars().any(char::is_control) {
-        return Err(Invalid::new("the event id contains a control character"));
-    }
-    let chars = event_id.chars().count();
-    if chars > MAX_EVENT_ID_CHARS {
+    if key.chars().any(char::is_control) {
         return Err(Invalid::new(format!(
-            "the event id has {chars} characters, above the limit of {MAX_EVENT_ID_CHARS}"
+            "the {what} contains a control character"
+        )));
+    }
+    let chars = key.chars().count();
+    if chars > max_chars {
+        return Err(Invalid::new(format!(
+            "the {what} has {chars} characters, above the limit of {max_chars}"
         )));
     }
     Ok(())

@@ -46,6 +46,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(16, "0016_records_without_id_key.sql"),
     migration!(17, "0017_outbox_batches.sql"),
     migration!(18, "0018_points_table_leaves_the_baseline.sql"),
+    migration!(19, "0019_parked_keys.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of

@@ -18,6 +18,7 @@ mod ledger;
 pub mod migrate;
 #[doc(hidden)]
 pub mod outbox;
+mod parked;
 mod ready;
 pub mod retention;
 
@@ -48,6 +49,7 @@ pub use filter::Filters;
 #[doc(hidden)]
 pub use flush::Lanes;
 pub use ledger::LedgerEntry;
+pub use parked::{ParkedEvent, ParkedKey, ParkedTotals, Parking};
 pub use ready::ReadyError;
 #[doc(hidden)]
 pub use ready::until_answered;

@@ -175,10 +175,11 @@ impl WorkerConfig {
         consumer_group: impl Into<String>,
     ) -> Self {
         let tuning = mode.tuning();
+        let transactions = in_flight(&topology, tuning.max_in_flight);
         Self {
             amqp,
             database: DatabaseConfig {
-                pool_size: tuning.max_in_flight + 2,
+                pool_size: transactions + 2,
                 ..database
             },
             topology,
@@ -247,13 +248,25 @@ impl WorkerConfig {
                 prefetch: self.prefetch,
             });
         }
-        if self.database.pool_size < self.max_in_flight + 2 {
+        let transactions = in_flight(&self.topology, self.max_in_flight);
+        if self.database.pool_size < transactions + 2 {
             return Err(ConfigError::PoolTooSmall {
                 pool_size: self.database.pool_size,
-                max_in_flight: self.max_in_flight,
+                max_in_flight: transactions,
             });
         }
         Ok(())
+    }
+}
+
+/// The transactions a worker has in flight at most: `max_in_flight` on an
+/// unordered queue; one per slot on an ordered one, and one applying its
+/// parked keys.
+fn in_flight(topology: &Topology, max_in_flight: usize) -> usize {
+    if topology.is_ordered() {
+        usize::from(topology.slots) + 1
+    } else {
+        max_in_flight
     }
 }
 
@@ -317,8 +330,9 @@ pub enum ConfigError {
     },
     /// Transactions in flight would starve the failure ledger of connections.
     #[error(
-        "the pool ({pool_size} connections) must hold max_in_flight ({max_in_flight}) + 2: \
-         the extra two serve the failure ledger while transactions hold the others"
+        "the pool ({pool_size} connections) must hold the transactions in flight ({max_in_flight}: \
+         max_in_flight, or an ordered queue's slots and one) + 2: the extra two serve the \
+         failure ledger while transactions hold the others"
     )]
     PoolTooSmall {
         /// Connections in the pool.

@@ -200,12 +200,14 @@ impl Copy {
     /// A copy of `delivery` for the dead-letter exchange, with the routing
     /// key the work queue's `x-dead-letter-routing-key` names, and idem's
     /// record of its death where the broker would write `x-death`.
-    pub(crate) fn to_die(topology: &Topology, delivery: Delivery) -> Self {
+    /// `queue` is the one it died in (a slot queue of an ordered queue):
+    /// where a replay sends it.
+    pub(crate) fn to_die(topology: &Topology, queue: &str, delivery: Delivery) -> Self {
         let properties = dead_letter_properties(
             &delivery.properties,
             delivery.exchange.as_str(),
             delivery.routing_key.as_str(),
-            &topology.queue,
+            queue,
             DEAD_LETTER_REASON,
             now().as_secs(),
         );

@@ -7,11 +7,13 @@
 //! `process`).
 
 mod config;
+mod drain;
 mod epochs;
 mod forward;
 mod health;
 mod http;
 mod intake;
+mod order;
 mod process;
 mod release;
 mod settle;
@@ -207,7 +209,18 @@ impl<H: Handler> Worker<H> {
         let relay = (H::SENDS_MESSAGES && config.relay)
             .then(|| start_relay(&config, stats.relay().clone()))
             .transpose()?;
+        // An ordered queue's parked keys are applied beside the consumer.
+        let drainer = config.topology.is_ordered().then(|| {
+            tokio::spawn(drain::run(
+                Arc::clone(&processor),
+                config.amqp.clone(),
+                shutdown.clone(),
+            ))
+        });
         let result = reconnecting(&config, &processor, &shutdown).await;
+        if let Some(drainer) = drainer {
+            drainer.abort();
+        }
         if let Some(relay) = relay {
             relay.stop().await;
         }
@@ -424,8 +437,20 @@ async fn session<H: Handler>(
         shutdown.cancelled().await;
         tokio::time::sleep(config.shutdown_timeout).await;
     };
+    let consuming = async {
+        if config.topology.is_ordered() {
+            consume_slots(config, connection, &forwarder, processor, &watch, shutdown).await
+        } else {
+            let queue = &config.topology.queue;
+            let in_flight = config.max_in_flight;
+            consume(
+                config, queue, in_flight, &channel, &forwarder, processor, lost, shutdown,
+            )
+            .await
+        }
+    };
     let end = tokio::select! {
-        end = consume(config, &channel, &forwarder, processor, lost, shutdown) => end,
+        end = consuming => end,
         reason = release::run(&waits, &forwarder, &config.topology, shutdown) => {
             SessionEnd::Lost(reason)
         }
@@ -440,6 +465,64 @@ async fn session<H: Handler>(
         close_channel(forwarder.channel().await.channel()).await;
     }
     Ok(end)
+}
+
+/// Consumes every slot of an ordered queue, each on a channel of its own
+/// with one batch in flight (a key's events are in one slot, and its next
+/// batch may hold the key's later events), until one fails or shutdown
+/// drains them all.
+async fn consume_slots<H: Handler>(
+    config: &WorkerConfig,
+    connection: &Arc<Connection>,
+    forwarder: &Arc<Forwarder>,
+    processor: &Arc<Processor<H>>,
+    watch: &ConnectionWatch,
+    shutdown: &CancellationToken,
+) -> SessionEnd {
+    let mut channels = Vec::new();
+    for slot in config.topology.slot_queues() {
+        let opened = async {
+            let channel = connection.create_channel().await?;
+            channel
+                .basic_qos(config.prefetch, BasicQosOptions::default())
+                .await?;
+            lapin::Result::Ok(channel)
+        };
+        match opened.await {
+            Ok(channel) => channels.push((slot, channel)),
+            Err(error) => return SessionEnd::Lost(error.to_string()),
+        }
+    }
+    let mut consuming: Vec<_> = channels
+        .iter()
+        .map(|(slot, channel)| {
+            Box::pin(consume(
+                config,
+                slot,
+                1,
+                channel,
+                forwarder,
+                processor,
+                watch.lost(),
+                shutdown,
+            ))
+        })
+        .collect();
+    let mut end = SessionEnd::Drained;
+    while !consuming.is_empty() {
+        let (ended, _, rest) = futures::future::select_all(consuming).await;
+        consuming = rest;
+        if let SessionEnd::Lost(reason) = ended {
+            end = SessionEnd::Lost(reason);
+            break;
+        }
+    }
+    if let SessionEnd::Drained = end {
+        for (_, channel) in &channels {
+            close_channel(channel).await;
+        }
+    }
+    end
 }
 
 /// Consumes and settles on one channel until it fails (`lost` resolves, or
@@ -465,7 +548,7 @@ fn batch_span(config: &WorkerConfig, batch: &[Delivery]) -> Span {
     span
 }
 
-/// Processes `batch` (whose delivery tags are `tags`), sends the copies it
+/// Processes `batch` (taken from `queue`), sends the copies it
 /// decided on (to wait, to die), and hands every settlement to `settler`;
 /// a panic gives the batch back. `permit` is its place among the
 /// transactions in flight, and `counted` counts it in flight until done.
@@ -474,17 +557,18 @@ async fn settle_batch<H: Handler>(
     forwarder: Arc<Forwarder>,
     settler: Settler,
     batch: Vec<Delivery>,
-    tags: Vec<DeliveryTag>,
     permit: OwnedSemaphorePermit,
     counted: InFlight,
+    queue: Arc<str>,
 ) {
+    let tags: Vec<DeliveryTag> = batch.iter().map(|d| d.delivery_tag).collect();
     let _counted = counted;
     let mut permit = Some(permit);
     // The transaction's and the wait's futures are several kilobytes:
     // boxed, they are built once the task runs, and the task moved into
     // the runtime stays small. Unboxed, the copies cost per-message mode
     // about a tenth more worker CPU per message (`idem bench`).
-    let processing = Box::pin(processor.process(batch, &mut permit));
+    let processing = Box::pin(processor.process(batch, &queue, &mut permit));
     let settlements = match caught::future(processing).await {
         Ok(mut decided) => {
             if !decided.waiting.is_empty() || !decided.dead.is_empty() {
@@ -494,7 +578,7 @@ async fn settle_batch<H: Handler>(
                     .map(|waiting| Copy::to_wait(topology, waiting));
                 let dead = std::mem::take(&mut decided.dead)
                     .into_iter()
-                    .map(|delivery| Copy::to_die(topology, delivery));
+                    .map(|delivery| Copy::to_die(topology, &decided.queue, delivery));
                 let copies = waiting.chain(dead).collect();
                 let sent = Box::pin(forward::send(&forwarder, copies));
                 decided.settlements.extend(sent.await);
@@ -507,8 +591,13 @@ async fn settle_batch<H: Handler>(
     drop(permit);
 }
 
+/// Consumes `queue` (the work queue, or a slot of an ordered queue) with at
+/// most `max_in_flight` batches in flight.
+#[allow(clippy::too_many_arguments)]
 async fn consume<H: Handler>(
     config: &WorkerConfig,
+    queue: &str,
+    max_in_flight: usize,
     channel: &Channel,
     forwarder: &Arc<Forwarder>,
     processor: &Arc<Processor<H>>,
@@ -518,7 +607,7 @@ async fn consume<H: Handler>(
     let mut lost = std::pin::pin!(lost);
     let consumer = match channel
         .basic_consume(
-            config.topology.queue.as_str().into(),
+            queue.into(),
             "".into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
@@ -531,7 +620,7 @@ async fn consume<H: Handler>(
     processor.stats.sessions(1);
     processor.stats.consuming(true);
     info!(
-        queue = %config.topology.queue,
+        queue,
         consumer_group = %config.consumer_group,
         prefetch = config.prefetch,
         batch_size = config.batch_size,
@@ -539,7 +628,8 @@ async fn consume<H: Handler>(
     );
     let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
     let (settler, settled) = Settler::spawn(channel.clone(), Arc::clone(&processor.stats));
-    let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    let permits = Arc::new(Semaphore::new(max_in_flight.max(1)));
+    let queue: Arc<str> = Arc::from(queue);
     let mut in_flight = JoinSet::new();
     let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
     let end = loop {
@@ -563,8 +653,8 @@ async fn consume<H: Handler>(
         let Ok(permit) = permit else {
             unreachable!("the semaphore is never closed");
         };
-        let tags: Vec<_> = batch.iter().map(|d| d.delivery_tag).collect();
-        settler.track(tags.clone());
+        settler.track(batch.iter().map(|d| d.delivery_tag).collect());
+
         let span = batch_span(config, &batch);
         let counted = InFlight::start(Arc::clone(&processor.stats));
         in_flight.spawn(
@@ -573,9 +663,9 @@ async fn consume<H: Handler>(
                 Arc::clone(forwarder),
                 settler.clone(),
                 batch,
-                tags,
                 permit,
                 counted,
+                Arc::clone(&queue),
             )
             .instrument(span),
         );

@@ -32,17 +32,17 @@ use crate::store::{Applier, Claimed, DeadLetter, Failure, GivenUpMessages, Store
 use crate::telemetry::trace;
 
 /// A delivery whose body is a valid event.
-struct Item<E> {
+pub(super) struct Item<E> {
     /// Kept whole until it is decided: a failed one is published again, to
     /// wait.
-    delivery: Delivery,
+    pub(super) delivery: Delivery,
     /// The quorum queue's count of earlier deliveries, when it set one.
-    delivery_count: Option<i64>,
-    event: E,
+    pub(super) delivery_count: Option<i64>,
+    pub(super) event: E,
 }
 
 impl<E> Item<E> {
-    fn tag(&self) -> DeliveryTag {
+    pub(super) fn tag(&self) -> DeliveryTag {
         self.delivery.delivery_tag
     }
 }
@@ -71,10 +71,14 @@ pub(crate) struct Decided {
     dead_letters: Vec<DeadLetter>,
     /// What the handler sends for the letters, written with the index.
     given_up: Vec<GivenUpMessages>,
+    /// The queue the batch came from: the work queue, or a slot queue.
+    pub(crate) queue: String,
+    /// On an ordered queue, the keys this batch parked behind a failed head.
+    pub(super) parked: Vec<String>,
 }
 
 impl Decided {
-    fn settle(&mut self, tag: DeliveryTag, disposition: Disposition) {
+    pub(super) fn settle(&mut self, tag: DeliveryTag, disposition: Disposition) {
         self.settlements.push(Settlement { tag, disposition });
     }
 
@@ -87,10 +91,11 @@ impl Decided {
         event_id: Option<&str>,
         error: Option<String>,
     ) {
+        let _ = topology;
         self.dead_letters.push(DeadLetter {
             key: event_id.map_or_else(|| body_key(&delivery.data), event_key),
             event_id: event_id.map(str::to_owned),
-            queue: topology.queue.clone(),
+            queue: self.queue.clone(),
             reason: DEAD_LETTER_REASON.to_owned(),
             invalid: event_id.is_none(),
             error,
@@ -118,15 +123,15 @@ pub(crate) struct Processor<H: Handler> {
 }
 
 impl<H: Handler> Processor<H> {
-    fn handler(&self) -> &H {
+    pub(super) fn handler(&self) -> &H {
         self.applier.handler()
     }
 
-    fn store(&self) -> &Store {
+    pub(super) fn store(&self) -> &Store {
         self.applier.store()
     }
 
-    fn retry(&self) -> &RetryPolicy {
+    pub(super) fn retry(&self) -> &RetryPolicy {
         &self.topology.retry
     }
 
@@ -136,7 +141,7 @@ impl<H: Handler> Processor<H> {
         self.retry().after(failure.kind, 0) == Next::Hold
     }
 
-    fn event_id<'e>(&self, item: &'e Item<H::Event>) -> &'e str {
+    pub(super) fn event_id<'e>(&self, item: &'e Item<H::Event>) -> &'e str {
         self.handler().event_id(&item.event)
     }
 
@@ -147,16 +152,22 @@ impl<H: Handler> Processor<H> {
     pub(crate) async fn process(
         &self,
         batch: Vec<Delivery>,
+        queue: &str,
         slot: &mut Option<OwnedSemaphorePermit>,
     ) -> Decided {
         self.stats.received(batch.len() as u64);
         let mut decided = Decided {
             settlements: Vec::with_capacity(batch.len()),
+            queue: queue.to_owned(),
             ..Decided::default()
         };
         let mut items = Vec::with_capacity(batch.len());
         for delivery in batch {
-            match self.decode(&delivery.data) {
+            let decoded = self.decode(&delivery.data).and_then(|event| {
+                self.check_ordering(&delivery, &event)?;
+                Ok(event)
+            });
+            match decoded {
                 Ok(event) => items.push(Item {
                     delivery_count: delivery_count(&delivery),
                     delivery,
@@ -177,7 +188,13 @@ impl<H: Handler> Processor<H> {
                 }
             }
         }
-        self.apply(items, &mut decided, Some(slot)).await;
+        if self.topology.is_ordered() {
+            // The slot's next batch waits for this one whole: a key's later
+            // events may be in it.
+            self.apply_in_order(items, &mut decided).await;
+        } else {
+            self.apply(items, &mut decided, Some(slot)).await;
+        }
         self.index(&decided.dead_letters, &decided.given_up).await;
         if self.probe.is_some() && !decided.dead_letters.is_empty() {
             let keys: Vec<&str> = decided
@@ -191,7 +208,12 @@ impl<H: Handler> Processor<H> {
     }
 
     /// Dead-letters `item`, whose transaction failed for good with `failure`.
-    fn give_up_failed(&self, decided: &mut Decided, item: Item<H::Event>, failure: &Failure) {
+    pub(super) fn give_up_failed(
+        &self,
+        decided: &mut Decided,
+        item: Item<H::Event>,
+        failure: &Failure,
+    ) {
         self.stats.dead_lettered(1);
         let error = Some(failure.reason.clone());
         self.give_up(
@@ -270,7 +292,7 @@ impl<H: Handler> Processor<H> {
     /// Applies `items` in one transaction; when that fails for a message
     /// reason and there is more than one, applies them one by one so that a
     /// poison message cannot hold back the others.
-    async fn apply(
+    pub(super) async fn apply(
         &self,
         mut items: Vec<Item<H::Event>>,
         decided: &mut Decided,
@@ -443,6 +465,9 @@ impl<H: Handler> Processor<H> {
     /// uncounted would let the broker's delivery limit dead-letter a message
     /// idem never gave up on.
     async fn failed(&self, item: Item<H::Event>, failure: &Failure, decided: &mut Decided) {
+        if self.topology.is_ordered() {
+            return self.park_failed(item, failure, decided).await;
+        }
         let event_id = self.event_id(&item).to_owned();
         let event_id = event_id.as_str();
         // The budget is the event's: a copy that arrives after it was spent
@@ -527,7 +552,7 @@ impl<H: Handler> Processor<H> {
     /// Runs `operation` until it succeeds or fails with an error `held` does
     /// not hold it for; while it is held, waits with exponential backoff and
     /// jitter, however long that takes, and keeps the intake closed.
-    async fn until_database_answers<T, E, F, Fut>(
+    pub(super) async fn until_database_answers<T, E, F, Fut>(
         &self,
         operation: F,
         held: impl Fn(&E) -> bool,

@@ -47,6 +47,7 @@ pub struct Stats {
     failed: Counter,
     retried: Counter,
     dead_lettered: Counter,
+    parked: Counter,
     retries: Family<Delay, Counter>,
     infrastructure_retries: Counter,
     sessions: Counter,
@@ -81,6 +82,9 @@ pub struct Snapshot {
     pub retried: u64,
     /// Failed deliveries that used up their attempts: dead-lettered.
     pub dead_lettered: u64,
+    /// Deliveries of an ordered queue kept behind their key's failed head,
+    /// and acked: each applies later, once the head has (and counts then).
+    pub parked: u64,
     /// Transactions retried because the database was unavailable.
     pub infrastructure_retries: u64,
     /// Consuming sessions started (one per broker connection).
@@ -131,6 +135,7 @@ impl Stats {
             failed: outcome("failed"),
             retried: outcome("retried"),
             dead_lettered: outcome("dead_lettered"),
+            parked: outcome("parked"),
             retries: Family::default(),
             infrastructure_retries: Counter::default(),
             sessions: Counter::default(),
@@ -339,6 +344,7 @@ impl Stats {
             invalid: self.invalid.get(),
             retried: self.retried.get(),
             dead_lettered: self.dead_lettered.get(),
+            parked: self.parked.get(),
             infrastructure_retries: self.infrastructure_retries.get(),
             sessions: self.sessions.get(),
             reconnects: self.reconnects.get(),
@@ -369,6 +375,10 @@ impl Stats {
 
     pub(crate) fn duplicates(&self, n: u64) {
         self.duplicates.inc_by(n);
+    }
+
+    pub(crate) fn parked(&self, n: u64) {
+        self.parked.inc_by(n);
     }
 
     pub(crate) fn invalid(&self, n: u64) {

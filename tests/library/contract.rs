@@ -36,8 +36,7 @@ async fn every_event_applies_once_however_often_it_arrives(mode: Mode) -> anyhow
         env.publish(&bodies).await?;
         let worker = Running::start(env.worker_config(mode, GROUP), Deposits::default());
         worker.settled(900, Duration::from_secs(60)).await?;
-        let stats = worker.stats.snapshot();
-        worker.stop().await?;
+        let stats = worker.stop().await?;
         assert_eq!((stats.applied, stats.duplicates), (300, 600));
         // 1 + 2 + … + 300, each once.
         assert_eq!(
@@ -74,8 +73,7 @@ async fn an_invalid_body_is_dead_lettered_at_once_and_the_others_apply() -> anyh
         env.publish(&bodies).await?;
         let worker = Running::start(env.worker_config(Mode::Batch, GROUP), Deposits::default());
         worker.settled(4, Duration::from_secs(30)).await?;
-        let stats = worker.stats.snapshot();
-        worker.stop().await?;
+        let stats = worker.stop().await?;
         assert_eq!((stats.applied, stats.invalid, stats.retried), (2, 2, 0));
         assert_eq!(
             env.number("SELECT amount FROM balances WHERE account = 'ada'")
@@ -110,8 +108,7 @@ async fn a_failing_event_is_tried_as_often_as_its_policy_says_then_dead_lettered
         let worker = Running::start(env.worker_config(Mode::Batch, GROUP), Deposits::default());
         worker.settled(3, Duration::from_secs(30)).await?;
         let elapsed = started.elapsed();
-        let stats = worker.stats.snapshot();
-        worker.stop().await?;
+        let stats = worker.stop().await?;
         // Three attempts: two retries, each after the policy's delay.
         assert_eq!(
             (stats.applied, stats.retried, stats.dead_lettered),
@@ -140,8 +137,7 @@ async fn an_event_the_handler_says_can_never_apply_is_dead_lettered_without_retr
         .await?;
         let worker = Running::start(env.worker_config(Mode::Batch, GROUP), Deposits::default());
         worker.settled(2, Duration::from_secs(30)).await?;
-        let stats = worker.stats.snapshot();
-        worker.stop().await?;
+        let stats = worker.stop().await?;
         assert_eq!(
             (stats.applied, stats.retried, stats.dead_lettered),
             (1, 0, 1)

@@ -12,4 +12,6 @@ mod companions;
 mod contract;
 mod deposits;
 mod layout;
+mod order;
+mod steps;
 mod support;

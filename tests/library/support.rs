@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use idem::tokio_postgres::NoTls;
-use idem::worker::{Stats, WorkerError};
+use idem::worker::{Snapshot, Stats, WorkerError};
 use idem::{
     AmqpConfig, DatabaseConfig, Handler, SecretUrl, Topology, Worker, WorkerConfig, migrate,
 };
@@ -131,12 +131,42 @@ impl Env {
 
     /// Publishes `bodies` to the topology's exchange, each confirmed.
     pub async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
+        let plain: Vec<(Vec<u8>, Option<String>)> =
+            bodies.iter().map(|body| (body.clone(), None)).collect();
+        self.publish_keyed(&plain).await
+    }
+
+    /// Publishes each body to the topology's exchange, confirmed, with its
+    /// ordering key in the header an ordered queue routes by, when it has
+    /// one.
+    pub async fn publish_keyed(
+        &self,
+        messages: &[(Vec<u8>, Option<String>)],
+    ) -> anyhow::Result<()> {
+        let bodies: Vec<(&Vec<u8>, BasicProperties)> = messages
+            .iter()
+            .map(|(body, key)| {
+                let mut headers = FieldTable::default();
+                if let Some(key) = key {
+                    headers.insert(
+                        idem::handler::ORDERING_KEY_HEADER.into(),
+                        lapin::types::AMQPValue::LongString(key.as_str().into()),
+                    );
+                }
+                (
+                    body,
+                    BasicProperties::default()
+                        .with_delivery_mode(2)
+                        .with_headers(headers),
+                )
+            })
+            .collect();
         let channel = self.connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
         let mut confirms = Vec::with_capacity(bodies.len());
-        for body in bodies {
+        for (body, properties) in bodies {
             confirms.push(
                 channel
                     .basic_publish(
@@ -147,7 +177,7 @@ impl Env {
                             ..BasicPublishOptions::default()
                         },
                         body,
-                        BasicProperties::default().with_delivery_mode(2),
+                        properties,
                     )
                     .await?,
             );
@@ -312,7 +342,11 @@ pub struct Running {
 
 impl Running {
     /// Starts `handler` under `config`.
+    /// `IDEM_TEST_LOG` (a filter, `idem=debug` say) shows its log.
     pub fn start<H: Handler>(config: WorkerConfig, handler: H) -> Self {
+        if let Ok(filter) = std::env::var("IDEM_TEST_LOG") {
+            idem::telemetry::init(&filter, idem::telemetry::LogFormat::Text);
+        }
         let worker = Worker::new(config, handler);
         let stats = worker.stats();
         let shutdown = CancellationToken::new();
@@ -336,9 +370,12 @@ impl Running {
         .await
     }
 
-    /// Drains and stops the worker; its error, if it failed.
-    pub async fn stop(self) -> anyhow::Result<()> {
+    /// Drains and stops the worker; its error, if it failed, or its final
+    /// counts (a running worker counts a delivery after its commit, so a
+    /// snapshot taken while it runs may not count one just committed).
+    pub async fn stop(self) -> anyhow::Result<Snapshot> {
         self.shutdown.cancel();
-        Ok(self.task.await??)
+        self.task.await??;
+        Ok(self.stats.snapshot())
     }
 }

@@ -1,0 +1,257 @@
+//! Order per key: on an ordered queue each key's events apply in the order
+//! they were sent, with several workers and several keys at once; a key
+//! whose head fails is parked, its later events kept until the head
+//! applies (a retry, a replay) or an operator releases the key; an event
+//! without a usable key is invalid.
+
+use std::time::Duration;
+
+use idem::dlq::{Action, DlqConfig};
+use idem::{Mode, Topology};
+use tokio_util::sync::CancellationToken;
+
+use crate::steps::{self, Steps};
+use crate::support::{Env, Running, wait_for, with_env};
+
+const GROUP: &str = "steps";
+
+/// Each order's steps in the order they applied.
+async fn applied_steps(env: &Env) -> anyhow::Result<Vec<(String, Vec<i32>)>> {
+    let client = env.pool.get().await?;
+    let rows = client
+        .query(
+            "SELECT order_id, array_agg(step ORDER BY applied) FROM order_steps \
+             GROUP BY order_id ORDER BY order_id",
+            &[],
+        )
+        .await?;
+    Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+}
+
+/// The steps applied of `order`, in the order they applied.
+async fn steps_of(env: &Env, order: &str) -> anyhow::Result<Vec<i32>> {
+    Ok(applied_steps(env)
+        .await?
+        .into_iter()
+        .find(|(id, _)| id == order)
+        .map(|(_, steps)| steps)
+        .unwrap_or_default())
+}
+
+async fn parked_events(env: &Env) -> anyhow::Result<i64> {
+    env.number("SELECT count(*) FROM mq_parked_event").await
+}
+
+async fn a_key_s_events_apply_in_the_order_they_were_sent(mode: Mode) -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(8, &[]), move |env| async move {
+        let (orders, steps) = (200, 5);
+        env.publish_keyed(&steps::interleaved(orders, steps))
+            .await?;
+        let config = env.worker_config(mode, GROUP);
+        let workers = [
+            Running::start(config.clone(), Steps::default()),
+            Running::start(config, Steps::default()),
+        ];
+        let total = (orders * steps as usize) as i64;
+        wait_for("every step applied", Duration::from_secs(120), || async {
+            let refused: u64 = workers
+                .iter()
+                .map(|w| w.stats.snapshot().dead_lettered)
+                .sum();
+            anyhow::ensure!(refused == 0, "{refused} steps refused as out of order");
+            Ok(env.number("SELECT count(*) FROM order_steps").await? == total)
+        })
+        .await?;
+        let mut dead = 0;
+        for worker in workers {
+            dead += worker.stop().await?.dead_lettered;
+        }
+        assert_eq!(dead, 0, "no step was refused as out of order");
+        let applied = applied_steps(&env).await?;
+        assert_eq!(applied.len(), orders);
+        for (order, applied) in applied {
+            assert_eq!(
+                applied,
+                (1..=steps).collect::<Vec<_>>(),
+                "the steps of {order}"
+            );
+        }
+        for slot in env.topology.slot_queues() {
+            assert_eq!(env.ready(&slot).await?, 0);
+        }
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_events_apply_in_the_order_they_were_sent_in_batch_mode() -> anyhow::Result<()> {
+    a_key_s_events_apply_in_the_order_they_were_sent(Mode::Batch).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_events_apply_in_the_order_they_were_sent_one_message_a_transaction()
+-> anyhow::Result<()> {
+    a_key_s_events_apply_in_the_order_they_were_sent(Mode::PerMessage).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(4, &[]), |env| async move {
+        let handler = Steps::default();
+        // Each blocked order's first step applies; its second fails for
+        // good, and its third and fourth are parked behind it.
+        let mut messages = Vec::new();
+        for n in 1..=4 {
+            for order in ["poisoned", "dropped", "healthy-1", "healthy-2"] {
+                messages.push(steps::step(order, n));
+            }
+        }
+        env.publish_keyed(&messages[..4]).await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), handler.clone());
+        wait_for("the first steps", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM order_steps").await? == 4)
+        })
+        .await?;
+        handler.block(&["poisoned", "dropped"]);
+        env.publish_keyed(&messages[4..]).await?;
+        wait_for(
+            "the healthy orders done, the blocked ones parked",
+            Duration::from_secs(30),
+            || async {
+                Ok(steps_of(&env, "healthy-1").await? == [1, 2, 3, 4]
+                    && steps_of(&env, "healthy-2").await? == [1, 2, 3, 4]
+                    && parked_events(&env).await? == 4
+                    && env.ready(&env.topology.dead_letter_queue).await? == 2)
+            },
+        )
+        .await?;
+        assert_eq!(steps_of(&env, "poisoned").await?, [1]);
+        assert_eq!(steps_of(&env, "dropped").await?, [1]);
+        assert_eq!(
+            env.number("SELECT count(*) FROM mq_parked_key WHERE head_dead")
+                .await?,
+            2
+        );
+
+        // The cause fixed, a replay applies the head, then what it held.
+        handler.unblock("poisoned");
+        let mut dlq = DlqConfig::new(env.worker_config(Mode::Batch, GROUP).target());
+        dlq.filter.event_id = Some(steps::step_id("poisoned", 2));
+        let replay = Action::Replay {
+            rate: None,
+            include_invalid: false,
+        };
+        let report =
+            idem::dlq::run(&dlq, &replay, &Steps::default(), &CancellationToken::new()).await?;
+        assert_eq!(report.replayed.len(), 1, "{report:?}");
+        wait_for(
+            "the poisoned order's steps in order",
+            Duration::from_secs(30),
+            || async { Ok(steps_of(&env, "poisoned").await? == [1, 2, 3, 4]) },
+        )
+        .await?;
+
+        // A head discarded, its key released: the order goes on without it.
+        handler.unblock("dropped");
+        let file = std::env::temp_dir().join(format!("{}-discarded.jsonl", env.schema));
+        dlq.filter.event_id = Some(steps::step_id("dropped", 2));
+        let discard = Action::Discard { file: file.clone() };
+        let report =
+            idem::dlq::run(&dlq, &discard, &Steps::default(), &CancellationToken::new()).await?;
+        std::fs::remove_file(&file)?;
+        assert_eq!(report.discarded.len(), 1, "{report:?}");
+        let store = idem::store::Store::new(env.pool.clone(), GROUP);
+        assert!(store.release_key("dropped").await?);
+        wait_for(
+            "the dropped order's later steps",
+            Duration::from_secs(30),
+            || async { Ok(steps_of(&env, "dropped").await? == [1, 3, 4]) },
+        )
+        .await?;
+        wait_for("no key parked", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        // The four later steps, and the replayed head, which went before them.
+        assert_eq!(stats.parked, 5, "{stats:?}");
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_that_fails_twice_then_applies_on_a_delayed_retry_is_not_overtaken()
+-> anyhow::Result<()> {
+    let delays = [Duration::from_millis(300), Duration::from_millis(600)];
+    with_env::<Steps, _, _>(steps::topology(2, &delays), |env| async move {
+        let handler = Steps::default();
+        handler.heal_after("slow", 2);
+        let messages: Vec<_> = (1..=5)
+            .flat_map(|n| [steps::step("slow", n), steps::step("quick", n)])
+            .collect();
+        env.publish_keyed(&messages).await?;
+        let worker = Running::start(env.worker_config(Mode::PerMessage, GROUP), handler);
+        wait_for("both orders' steps", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM order_steps").await? == 10
+                && env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(steps_of(&env, "slow").await?, [1, 2, 3, 4, 5]);
+        assert_eq!(steps_of(&env, "quick").await?, [1, 2, 3, 4, 5]);
+        assert_eq!((stats.retried, stats.dead_lettered), (2, 0), "{stats:?}");
+        assert!(
+            stats.parked >= 1,
+            "the slow order's later steps waited: {stats:?}"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_without_a_usable_ordering_key_is_invalid() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(2, &[]), |env| async move {
+        let (body, _) = steps::step("o1", 1);
+        let keyed = |event_id: &str, order: &str| {
+            serde_json::json!({"eventId": event_id, "order": order, "step": 1})
+                .to_string()
+                .into_bytes()
+        };
+        let long = "k".repeat(129);
+        let control = "o\u{7}2".to_owned();
+        env.publish_keyed(&[
+            // Routed by another key than the body's.
+            (body.clone(), Some("o2".to_owned())),
+            (keyed("long-key", &long), Some(long.clone())),
+            (keyed("control-key", &control), Some(control.clone())),
+            (body, Some("o1".to_owned())),
+        ])
+        .await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), Steps::default());
+        worker.settled(4, Duration::from_secs(30)).await?;
+        let stats = worker.stop().await?;
+        assert_eq!((stats.invalid, stats.applied), (3, 1), "{stats:?}");
+        assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 3);
+        assert_eq!(steps_of(&env, "o1").await?, [1]);
+        Ok(())
+    })
+    .await
+}
+
+#[test]
+fn an_ordered_topology_names_its_slots_and_its_hash_exchange() {
+    let topology = Topology::for_queue("steps.applied").ordered(3);
+    assert_eq!(
+        topology.slot_queues(),
+        [
+            "steps.applied.slot.0",
+            "steps.applied.slot.1",
+            "steps.applied.slot.2"
+        ]
+    );
+    assert_eq!(topology.slots_exchange(), "steps.applied.slots");
+    assert_eq!(topology.consumed_queues(), topology.slot_queues());
+}

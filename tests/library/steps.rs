@@ -1,0 +1,168 @@
+//! A team's handler whose effect depends on order: an order's status moves
+//! forward one step at a time (created, paid, shipped, …), and every step
+//! applied is recorded in the order it applied. Its ordering key is the
+//! order. An order listed in `blocked` fails (for good, or until the
+//! handler's `heal` count of attempts has failed).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use idem::{Handler, HandlerError, Invalid, Migration, Outbox, RetryPolicy, Topology, Transaction};
+
+/// `{"eventId": "o7-step-2", "order": "o7", "step": 2}`
+#[derive(Debug, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Step {
+    pub event_id: String,
+    pub order: String,
+    pub step: i32,
+}
+
+/// The event id of an order's step: ids that sort against the steps'
+/// order, so that a batch applied in id order would apply them backwards.
+pub fn step_id(order: &str, step: i32) -> String {
+    format!("{order}-{:03}", 999 - step)
+}
+
+/// The body of a step, and the ordering key its producer sets.
+pub fn step(order: &str, step: i32) -> (Vec<u8>, Option<String>) {
+    let event_id = step_id(order, step);
+    let body = serde_json::json!({"eventId": event_id, "order": order, "step": step})
+        .to_string()
+        .into_bytes();
+    (body, Some(order.to_owned()))
+}
+
+/// The steps 1 to `steps` of each of `orders` orders, published step by
+/// step: every order's first step, then every order's second, …
+pub fn interleaved(orders: usize, steps: i32) -> Vec<(Vec<u8>, Option<String>)> {
+    (1..=steps)
+        .flat_map(|n| (0..orders).map(move |order| step(&format!("o{order}"), n)))
+        .collect()
+}
+
+/// An ordered queue of `slots` slots, retrying after `delays`.
+pub fn topology(slots: u16, delays: &[std::time::Duration]) -> Topology {
+    let mut topology = Topology::for_queue("steps.applied")
+        .bound_to("orders", "order.step")
+        .ordered(slots);
+    topology.retry = RetryPolicy::default().with_delays(delays.to_vec());
+    topology
+}
+
+/// The order's status only moves forward: a step applied out of order is
+/// a permanent failure, which a test sees as a dead letter.
+#[derive(Debug, Clone, Default)]
+pub struct Steps {
+    /// Orders that fail for good.
+    pub blocked: Arc<Mutex<Vec<String>>>,
+    /// Orders that fail this many more attempts, then apply.
+    pub heal: Arc<Mutex<HashMap<String, u32>>>,
+}
+
+impl Steps {
+    /// `orders` fail for good from now on.
+    pub fn block(&self, orders: &[&str]) {
+        let mut blocked = self.blocked.lock().unwrap_or_else(PoisonError::into_inner);
+        blocked.extend(orders.iter().map(|order| (*order).to_owned()));
+    }
+
+    /// `order` applies again.
+    pub fn unblock(&self, order: &str) {
+        let mut blocked = self.blocked.lock().unwrap_or_else(PoisonError::into_inner);
+        blocked.retain(|blocked| blocked != order);
+    }
+
+    /// `order` fails its next `attempts` attempts, then applies.
+    pub fn heal_after(&self, order: &str, attempts: u32) {
+        let mut heal = self.heal.lock().unwrap_or_else(PoisonError::into_inner);
+        heal.insert(order.to_owned(), attempts);
+    }
+
+    fn blocked(&self, order: &str) -> bool {
+        let blocked = self.blocked.lock().unwrap_or_else(PoisonError::into_inner);
+        blocked.iter().any(|blocked| blocked == order)
+    }
+
+    /// Whether `order` fails this attempt, counting it.
+    fn not_ready(&self, order: &str) -> bool {
+        let mut heal = self.heal.lock().unwrap_or_else(PoisonError::into_inner);
+        match heal.get_mut(order) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Handler for Steps {
+    type Event = Step;
+
+    const NAME: &'static str = "steps";
+
+    const MIGRATIONS: &'static [Migration] = &[Migration {
+        version: 1,
+        name: "0001_steps.sql",
+        sql: "CREATE TABLE order_status (order_id TEXT PRIMARY KEY, step INT NOT NULL);
+              CREATE TABLE order_steps (
+                  applied BIGSERIAL PRIMARY KEY,
+                  order_id TEXT NOT NULL,
+                  step INT NOT NULL
+              );",
+    }];
+
+    fn decode(&self, body: &[u8]) -> Result<Step, Invalid> {
+        Ok(serde_json::from_slice(body)?)
+    }
+
+    fn event_id<'e>(&self, event: &'e Step) -> &'e str {
+        &event.event_id
+    }
+
+    fn ordering_key<'e>(&self, event: &'e Step) -> Option<&'e str> {
+        Some(&event.order)
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&Step],
+        _: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
+        for event in events {
+            if self.blocked(&event.order) {
+                return Err(HandlerError::permanent(format!(
+                    "order {} is blocked",
+                    event.order
+                )));
+            }
+            if self.not_ready(&event.order) {
+                return Err(HandlerError::message(format!(
+                    "order {} is not ready yet",
+                    event.order
+                )));
+            }
+            let moved = tx
+                .execute(
+                    "INSERT INTO order_status VALUES ($1, $2) ON CONFLICT (order_id) DO UPDATE \
+                     SET step = EXCLUDED.step WHERE order_status.step < EXCLUDED.step",
+                    &[&event.order, &event.step],
+                )
+                .await?;
+            if moved == 0 {
+                return Err(HandlerError::permanent(format!(
+                    "order {} cannot go back to step {}",
+                    event.order, event.step
+                )));
+            }
+            tx.execute(
+                "INSERT INTO order_steps (order_id, step) VALUES ($1, $2)",
+                &[&event.order, &event.step],
+            )
+            .await?;
+        }
+        Ok(())
+    }
+}
