@@ -41,3 +41,15 @@ CREATE TABLE mq_parked_event (
 );
 
 CREATE SEQUENCE mq_parked_position;
+
+-- The workers consuming an ordered queue, each seen within its heartbeat:
+-- they share the queue's slots among them, slot i to the (i mod n)-th
+-- member in the order of their ids. RabbitMQ's single active consumer
+-- keeps a slot to one of them while they agree.
+CREATE TABLE mq_slot_member (
+    consumer_group VARCHAR(64)  COLLATE "C" NOT NULL,
+    queue          VARCHAR(255) COLLATE "C" NOT NULL,
+    member         UUID         NOT NULL,
+    seen_at        TIMESTAMPTZ  NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer_group, queue, member)
+);

@@ -15,6 +15,7 @@ mod failure;
 pub mod filter;
 mod flush;
 mod ledger;
+mod members;
 pub mod migrate;
 #[doc(hidden)]
 pub mod outbox;

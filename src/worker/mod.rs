@@ -17,6 +17,7 @@ mod order;
 mod process;
 mod release;
 mod settle;
+mod slots;
 mod stats;
 
 use std::sync::Arc;
@@ -205,6 +206,7 @@ impl<H: Handler> Worker<H> {
             stats: Arc::clone(&stats),
             topology: config.topology.clone(),
             probe,
+            member: uuid::Uuid::from_u128(fastrand::u128(..)),
         });
         let relay = (H::SENDS_MESSAGES && config.relay)
             .then(|| start_relay(&config, stats.relay().clone()))
@@ -439,12 +441,15 @@ async fn session<H: Handler>(
     };
     let consuming = async {
         if config.topology.is_ordered() {
-            consume_slots(config, connection, &forwarder, processor, &watch, shutdown).await
+            slots::consume(config, connection, &forwarder, processor, &watch, shutdown).await
         } else {
-            let queue = &config.topology.queue;
-            let in_flight = config.max_in_flight;
+            let source = Source {
+                queue: &config.topology.queue,
+                max_in_flight: config.max_in_flight,
+                hand_over: None,
+            };
             consume(
-                config, queue, in_flight, &channel, &forwarder, processor, lost, shutdown,
+                config, source, &channel, &forwarder, processor, lost, shutdown,
             )
             .await
         }
@@ -465,64 +470,6 @@ async fn session<H: Handler>(
         close_channel(forwarder.channel().await.channel()).await;
     }
     Ok(end)
-}
-
-/// Consumes every slot of an ordered queue, each on a channel of its own
-/// with one batch in flight (a key's events are in one slot, and its next
-/// batch may hold the key's later events), until one fails or shutdown
-/// drains them all.
-async fn consume_slots<H: Handler>(
-    config: &WorkerConfig,
-    connection: &Arc<Connection>,
-    forwarder: &Arc<Forwarder>,
-    processor: &Arc<Processor<H>>,
-    watch: &ConnectionWatch,
-    shutdown: &CancellationToken,
-) -> SessionEnd {
-    let mut channels = Vec::new();
-    for slot in config.topology.slot_queues() {
-        let opened = async {
-            let channel = connection.create_channel().await?;
-            channel
-                .basic_qos(config.prefetch, BasicQosOptions::default())
-                .await?;
-            lapin::Result::Ok(channel)
-        };
-        match opened.await {
-            Ok(channel) => channels.push((slot, channel)),
-            Err(error) => return SessionEnd::Lost(error.to_string()),
-        }
-    }
-    let mut consuming: Vec<_> = channels
-        .iter()
-        .map(|(slot, channel)| {
-            Box::pin(consume(
-                config,
-                slot,
-                1,
-                channel,
-                forwarder,
-                processor,
-                watch.lost(),
-                shutdown,
-            ))
-        })
-        .collect();
-    let mut end = SessionEnd::Drained;
-    while !consuming.is_empty() {
-        let (ended, _, rest) = futures::future::select_all(consuming).await;
-        consuming = rest;
-        if let SessionEnd::Lost(reason) = ended {
-            end = SessionEnd::Lost(reason);
-            break;
-        }
-    }
-    if let SessionEnd::Drained = end {
-        for (_, channel) in &channels {
-            close_channel(channel).await;
-        }
-    }
-    end
 }
 
 /// Consumes and settles on one channel until it fails (`lost` resolves, or
@@ -591,19 +538,38 @@ async fn settle_batch<H: Handler>(
     drop(permit);
 }
 
-/// Consumes `queue` (the work queue, or a slot of an ordered queue) with at
-/// most `max_in_flight` batches in flight.
-#[allow(clippy::too_many_arguments)]
+/// What one consumer takes from, and how it stops.
+struct Source<'a> {
+    /// The work queue, or a slot of an ordered queue.
+    queue: &'a str,
+    /// Batches in flight at most.
+    max_in_flight: usize,
+    /// For a slot: fired to hand the slot over (or at shutdown). The
+    /// consumer is not cancelled, which would make the slot's next consumer
+    /// active while this one still holds deliveries of its keys: it stops
+    /// taking, finishes its batches in flight, and the caller closes the
+    /// channel, which gives what it took and did not start back to the
+    /// slot, ahead of the rest.
+    hand_over: Option<CancellationToken>,
+}
+
+/// Consumes `source` until its channel or connection fails, or until it
+/// is told to stop (shutdown; a slot's hand-over) and has settled what it
+/// took.
 async fn consume<H: Handler>(
     config: &WorkerConfig,
-    queue: &str,
-    max_in_flight: usize,
+    source: Source<'_>,
     channel: &Channel,
     forwarder: &Arc<Forwarder>,
     processor: &Arc<Processor<H>>,
     lost: impl Future<Output = String>,
     shutdown: &CancellationToken,
 ) -> SessionEnd {
+    let Source {
+        queue,
+        max_in_flight,
+        hand_over,
+    } = source;
     let mut lost = std::pin::pin!(lost);
     let consumer = match channel
         .basic_consume(
@@ -626,14 +592,22 @@ async fn consume<H: Handler>(
         batch_size = config.batch_size,
         "consuming"
     );
-    let canceller = tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag()));
+    let canceller = hand_over
+        .is_none()
+        .then(|| tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag())));
+    let hand_over = hand_over.unwrap_or_default();
     let (settler, settled) = Settler::spawn(channel.clone(), Arc::clone(&processor.stats));
     let permits = Arc::new(Semaphore::new(max_in_flight.max(1)));
     let queue: Arc<str> = Arc::from(queue);
     let mut in_flight = JoinSet::new();
     let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
     let end = loop {
-        let batch = match intake.next_batch().await {
+        let next = tokio::select! {
+            biased;
+            () = hand_over.cancelled() => break SessionEnd::Drained,
+            next = intake.next_batch() => next,
+        };
+        let batch = match next {
             Ok(Some(batch)) => batch,
             Ok(None) if shutdown.is_cancelled() => break SessionEnd::Drained,
             // The broker cancelled us (the queue was deleted, say): start over.
@@ -671,7 +645,9 @@ async fn consume<H: Handler>(
         );
         while in_flight.try_join_next().is_some() {}
     };
-    canceller.abort();
+    if let Some(canceller) = canceller {
+        canceller.abort();
+    }
     processor.stats.consuming(false);
     if let SessionEnd::Drained = end {
         while in_flight.join_next().await.is_some() {}

@@ -120,6 +120,9 @@ pub(crate) struct Processor<H: Handler> {
     pub(crate) topology: Topology,
     /// Asked after each commit, when a check armed one.
     pub(crate) probe: probe::Armed,
+    /// This worker among those sharing an ordered queue's slots: the same
+    /// across its sessions, so that a reconnect is not a new member.
+    pub(crate) member: uuid::Uuid,
 }
 
 impl<H: Handler> Processor<H> {

@@ -58,6 +58,7 @@ pub struct Stats {
     in_flight: Gauge,
     unacked: Gauge,
     consuming: Gauge,
+    slots: Gauge,
     database_up: Gauge,
     pool: Family<PoolState, Gauge>,
     pool_max: Gauge,
@@ -101,6 +102,8 @@ pub struct Snapshot {
     /// Transactions run again because a flush did not find what they put
     /// in (the server lost it, or the flush failed).
     pub unconfirmed: u64,
+    /// Slots of an ordered queue this worker consumes now.
+    pub slots: i64,
 }
 
 impl Snapshot {
@@ -150,6 +153,7 @@ impl Stats {
             in_flight: Gauge::default(),
             unacked: Gauge::default(),
             consuming: Gauge::default(),
+            slots: Gauge::default(),
             database_up: Gauge::default(),
             pool: Family::default(),
             pool_max: Gauge::default(),
@@ -234,6 +238,11 @@ impl Stats {
             "consuming",
             "1 while a consumer is registered with the broker",
             self.consuming.clone(),
+        );
+        registry.register(
+            "slots",
+            "Slots of an ordered queue this worker consumes",
+            self.slots.clone(),
         );
         registry.register(
             "database_up",
@@ -352,6 +361,7 @@ impl Stats {
             outbox_refused: self.relay.refused.get(),
             copies_nacked: self.copies_nacked.get(),
             unconfirmed: self.unconfirmed.get(),
+            slots: self.slots.get(),
         }
     }
 
@@ -438,6 +448,10 @@ impl Stats {
 
     pub(crate) fn unacked(&self, n: usize) {
         self.unacked.set(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
+    pub(crate) fn slots(&self, held: usize) {
+        self.slots.set(i64::try_from(held).unwrap_or(i64::MAX));
     }
 
     pub(crate) fn consuming(&self, consuming: bool) {

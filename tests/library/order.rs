@@ -96,6 +96,53 @@ async fn a_key_s_events_apply_in_the_order_they_were_sent_one_message_a_transact
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_workers_share_the_slots_and_each_does_its_part() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(8, &[]), |env| async move {
+        let config = env.worker_config(Mode::Batch, GROUP);
+        let workers: Vec<Running> = (0..4)
+            .map(|_| Running::start(config.clone(), Steps::default()))
+            .collect();
+        wait_for("two slots each", Duration::from_secs(30), || async {
+            Ok(workers.iter().all(|w| w.stats.snapshot().slots == 2))
+        })
+        .await?;
+        let (orders, steps) = (500, 4);
+        env.publish_keyed(&steps::interleaved(orders, steps))
+            .await?;
+        let total = (orders * steps as usize) as i64;
+        wait_for("every step applied", Duration::from_secs(120), || async {
+            Ok(env.number("SELECT count(*) FROM order_steps").await? == total)
+        })
+        .await?;
+        let mut applied = Vec::new();
+        for worker in workers {
+            let stats = worker.stop().await?;
+            assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+            applied.push(stats.applied);
+        }
+        assert!(
+            applied.iter().all(|n| *n > 0),
+            "each worker applied some: {applied:?}"
+        );
+        assert_eq!(applied.iter().sum::<u64>(), total as u64);
+        for (order, applied) in applied_steps(&env).await? {
+            assert_eq!(
+                applied,
+                (1..=steps).collect::<Vec<_>>(),
+                "the steps of {order}"
+            );
+        }
+        assert_eq!(
+            env.number("SELECT count(*) FROM mq_slot_member").await?,
+            0,
+            "each left"
+        );
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::Result<()> {
     with_env::<Steps, _, _>(steps::topology(4, &[]), |env| async move {
         let handler = Steps::default();
