@@ -58,7 +58,7 @@ pub use args::{
 
 use crate::broker::{Exchange, Topology};
 use crate::check;
-use crate::commands::{prune, reconcile, status};
+use crate::commands::{parked, prune, reconcile, status};
 use crate::console::Console;
 use crate::dlq::{self, Printed};
 use crate::duration;
@@ -70,8 +70,8 @@ use crate::telemetry::{self, LogFormat};
 use crate::vars;
 use crate::worker::{Mode, Worker, WorkerConfig, WorkerError};
 use args::{
-    CheckArgs, ConsoleArgs, DlqArgs, MigrateArgs, PruneArgs, ReconcileArgs, RelayArgs, RequeueArgs,
-    StatusArgs, WorkerArgs,
+    CheckArgs, ConsoleArgs, DlqArgs, MigrateArgs, ParkedArgs, PruneArgs, ReconcileArgs, RelayArgs,
+    RequeueArgs, StatusArgs, WorkerArgs,
 };
 
 /// The log filter unless `RUST_LOG` says otherwise: lapin logs from its own
@@ -214,6 +214,9 @@ enum Command<X: Subcommand, F: Args> {
     Dlq(DlqArgs),
     /// A consumer group at a glance: its queues, records, ledger and dead letters.
     Status(StatusArgs),
+    /// The keys of an ordered queue parked behind a failed head: list them,
+    /// release a key whose head was discarded, or discard a key's events.
+    Parked(ParkedArgs),
     /// The dead letters and the group's state in a browser: failure groups,
     /// letters, replays and discards, the audit of what was done.
     Console(Box<ConsoleArgs>),
@@ -600,6 +603,14 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Command::Status(args) => {
                 let status = status::run::<H>(&args.config()?, &shutdown).await?;
                 println!("{status}");
+            }
+            Command::Parked(args) => {
+                let (target, action) = args.config(self.topology.clone())?;
+                let report = parked::run::<H>(&target, &action, &shutdown).await?;
+                println!("{report}");
+                if !report.done() {
+                    return Ok(ExitCode::FAILURE);
+                }
             }
             Command::Console(args) => {
                 let config = args.config()?;

@@ -2,6 +2,7 @@
 //! Each takes typed settings and returns a report for `main` to print; the
 //! dead letters they read are [`crate::dlq`]'s, and none imports another.
 
+pub mod parked;
 pub mod prune;
 #[cfg(feature = "cli")]
 pub mod reconcile;

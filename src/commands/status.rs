@@ -12,7 +12,7 @@ use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{IndexTotals, ReadyError, Store, StoreError};
+use crate::store::{IndexTotals, ParkedTotals, ReadyError, Store, StoreError};
 use crate::target::{OpenError, Target};
 
 /// How many failure ledger rows a status looks at, at most: every dead
@@ -50,6 +50,9 @@ pub struct Status {
     /// The letters the dead-letter queue holds (ready); `None` when it does
     /// not exist.
     pub in_queue: Option<u32>,
+    /// The keys parked behind a failed head, on an ordered queue (or where
+    /// some are parked); `None` otherwise.
+    pub parked: Option<ParkedTotals>,
 }
 
 /// Looks at the consumer group's queues and tables (waiting for the
@@ -80,6 +83,8 @@ pub async fn run<H: Handler>(
             failing: tables.failing,
             index: tables.index,
             in_queue,
+            parked: Some(tables.parked)
+                .filter(|parked| target.topology.is_ordered() || parked.keys > 0),
         })
     };
     Ok(look.await?)
@@ -96,6 +101,8 @@ pub(crate) struct Tables {
     pub(crate) failing: (i64, bool),
     /// [`Status::index`].
     pub(crate) index: IndexTotals,
+    /// The group's parked keys.
+    pub(crate) parked: ParkedTotals,
 }
 
 /// The group's records, epochs, failing events and dead-letter index: the
@@ -107,6 +114,7 @@ pub(crate) async fn tables(store: &Store) -> Result<Tables, StoreError> {
         epochs: retention::summary(&*store.pool().get().await?).await?,
         failing: store.failing(LEDGER_LOOK).await?,
         index: store.dead_letter_totals().await?,
+        parked: store.parked_totals().await?,
     })
 }
 
@@ -175,6 +183,25 @@ impl fmt::Display for Status {
                 "  failure ledger     {failing} or more event(s) failing (neither applied nor \
                  dead-lettered; more rows than a status reads)"
             )?,
+        }
+        if let Some(parked) = &self.parked {
+            write!(
+                f,
+                "  parked keys        {} key(s) holding {} event(s)",
+                parked.keys, parked.events
+            )?;
+            if let Some(oldest) = parked
+                .oldest
+                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            {
+                write!(
+                    f,
+                    " (oldest parked {}; `{} parked` lists them)",
+                    rfc3339(oldest.as_secs()),
+                    crate::program::name()
+                )?;
+            }
+            writeln!(f)?;
         }
         let reasons: Vec<String> = self
             .index

@@ -50,6 +50,7 @@ pub(super) async fn overview<H: Handler>(
             epochs,
             failing,
             index: totals,
+            parked: _,
         },
         hourly,
         now,

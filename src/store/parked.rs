@@ -422,21 +422,48 @@ impl Store {
             == 1)
     }
 
-    /// Removes `key` and every event parked behind it, in one transaction;
-    /// returns those events, oldest first, for the caller to keep.
-    pub async fn discard_key(&self, key: &str) -> Result<Vec<ParkedEvent>, StoreError> {
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let events = tx
+    /// Removes `key` and every event parked behind it, in one transaction
+    /// that commits only once `keep` kept them (written to a file, say):
+    /// the events, oldest first. `None` when the key is not parked.
+    pub async fn discard_key(
+        &self,
+        key: &str,
+        keep: impl FnOnce(&[ParkedEvent]) -> std::io::Result<()>,
+    ) -> Result<Option<Vec<ParkedEvent>>, DiscardError> {
+        let mut client = self.pool.get().await.map_err(StoreError::from)?;
+        let tx = client.transaction().await.map_err(StoreError::from)?;
+        let locked = tx
+            .query_opt(LOCK_KEY, &[&self.consumer_group, &key])
+            .await
+            .map_err(StoreError::from)?;
+        if locked.is_none() {
+            return Ok(None);
+        }
+        let events: Vec<ParkedEvent> = tx
             .query(DISCARD, &[&self.consumer_group, &key])
-            .await?
+            .await
+            .map_err(StoreError::from)?
             .iter()
             .map(parked_event)
             .collect();
-        tx.execute(DROP_KEY, &[&self.consumer_group, &key]).await?;
-        tx.commit().await?;
-        Ok(events)
+        keep(&events).map_err(DiscardError::Keep)?;
+        tx.execute(DROP_KEY, &[&self.consumer_group, &key])
+            .await
+            .map_err(StoreError::from)?;
+        tx.commit().await.map_err(StoreError::from)?;
+        Ok(Some(events))
     }
+}
+
+/// Why a parked key was not discarded: nothing was.
+#[derive(Debug, thiserror::Error)]
+pub enum DiscardError {
+    /// The database failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The events could not be kept.
+    #[error("cannot keep the parked events: {0}")]
+    Keep(std::io::Error),
 }
 
 fn parked_event(row: &tokio_postgres::Row) -> ParkedEvent {

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use idem::commands::parked::{self, ParkedAction, ParkedReport};
 use idem::dlq::{Action, DlqConfig};
 use idem::{Mode, Topology};
 use tokio_util::sync::CancellationToken;
@@ -14,6 +15,11 @@ use crate::steps::{self, Steps};
 use crate::support::{Env, Running, wait_for, with_env};
 
 const GROUP: &str = "steps";
+
+/// `idem parked` on `target`.
+async fn parked(target: &idem::Target, action: ParkedAction) -> anyhow::Result<ParkedReport> {
+    Ok(parked::run::<Steps>(target, &action, &CancellationToken::new()).await?)
+}
 
 /// Each order's steps in the order they applied.
 async fn applied_steps(env: &Env) -> anyhow::Result<Vec<(String, Vec<i32>)>> {
@@ -208,8 +214,39 @@ async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::R
             idem::dlq::run(&dlq, &discard, &Steps::default(), &CancellationToken::new()).await?;
         std::fs::remove_file(&file)?;
         assert_eq!(report.discarded.len(), 1, "{report:?}");
-        let store = idem::store::Store::new(env.pool.clone(), GROUP);
-        assert!(store.release_key("dropped").await?);
+        let target = env.worker_config(Mode::Batch, GROUP).target();
+        let listed = parked(
+            &target,
+            ParkedAction::List {
+                key: None,
+                limit: 10,
+            },
+        )
+        .await?;
+        let ParkedReport::Listed(keys) = listed else {
+            anyhow::bail!("not a listing: {listed:?}");
+        };
+        let keys: Vec<_> = keys
+            .iter()
+            .map(|k| (k.key.as_str(), k.head_dead, k.events))
+            .collect();
+        assert_eq!(keys, [("dropped", true, 2)]);
+        let release = |dry_run| ParkedAction::Release {
+            key: "dropped".to_owned(),
+            dry_run,
+        };
+        let dry = parked(&target, release(true)).await?;
+        assert!(
+            matches!(dry, ParkedReport::Released { dry_run: true, .. }),
+            "{dry:?}"
+        );
+        assert_eq!(
+            env.number("SELECT count(*) FROM mq_parked_key WHERE head_dead")
+                .await?,
+            1
+        );
+        let released = parked(&target, release(false)).await?;
+        assert!(released.done(), "{released}");
         wait_for(
             "the dropped order's later steps",
             Duration::from_secs(30),
@@ -223,6 +260,82 @@ async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::R
         let stats = worker.stop().await?;
         // The four later steps, and the replayed head, which went before them.
         assert_eq!(stats.parked, 5, "{stats:?}");
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_discarded_keeps_its_events_in_a_file_and_its_next_event_applies()
+-> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(2, &[]), |env| async move {
+        let handler = Steps::default();
+        env.publish_keyed(&[steps::step("gone", 1)]).await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), handler.clone());
+        worker.settled(1, Duration::from_secs(30)).await?;
+        handler.block(&["gone"]);
+        env.publish_keyed(&[2, 3, 4].map(|n| steps::step("gone", n)))
+            .await?;
+        wait_for("two steps parked", Duration::from_secs(30), || async {
+            Ok(parked_events(&env).await? == 2)
+        })
+        .await?;
+        let target = env.worker_config(Mode::Batch, GROUP).target();
+        let file = std::env::temp_dir().join(format!("{}-parked.jsonl", env.schema));
+        let discard = |dry_run| ParkedAction::Discard {
+            key: "gone".to_owned(),
+            file: file.clone(),
+            dry_run,
+        };
+        let dry = parked(&target, discard(true)).await?;
+        assert!(
+            matches!(
+                dry,
+                ParkedReport::Discarded {
+                    events: 2,
+                    dry_run: true,
+                    ..
+                }
+            ),
+            "{dry:?}"
+        );
+        assert!(!file.exists(), "a dry run writes nothing");
+        assert_eq!(parked_events(&env).await?, 2);
+        let done = parked(&target, discard(false)).await?;
+        let kept = std::fs::read_to_string(&file)?;
+        std::fs::remove_file(&file)?;
+        assert!(
+            matches!(
+                done,
+                ParkedReport::Discarded {
+                    events: 2,
+                    dry_run: false,
+                    ..
+                }
+            ),
+            "{done:?}"
+        );
+        let ids: Vec<String> = kept
+            .lines()
+            .map(
+                |line| Ok(serde_json::from_str::<serde_json::Value>(line)?["event_id"].to_string()),
+            )
+            .collect::<anyhow::Result<_>>()?;
+        assert_eq!(
+            ids,
+            [3, 4].map(|n| format!("\"{}\"", steps::step_id("gone", n)))
+        );
+        assert_eq!(env.number("SELECT count(*) FROM mq_parked_key").await?, 0);
+        let again = parked(&target, discard(false)).await?;
+        assert!(matches!(again, ParkedReport::NotParked(_)), "{again:?}");
+        // The key is no longer parked: its next step applies.
+        handler.unblock("gone");
+        env.publish_keyed(&[steps::step("gone", 5)]).await?;
+        wait_for("the next step", Duration::from_secs(30), || async {
+            Ok(steps_of(&env, "gone").await? == [1, 5])
+        })
+        .await?;
+        worker.stop().await?;
         Ok(())
     })
     .await

@@ -292,6 +292,116 @@ impl StatusArgs {
     }
 }
 
+/// `parked`.
+#[derive(Debug, Args)]
+pub(crate) struct ParkedArgs {
+    #[command(subcommand)]
+    pub(crate) action: ParkedCommand,
+}
+
+/// The servers and the group a `parked` command works on.
+#[derive(Debug, Args)]
+pub(crate) struct ParkedOn {
+    #[command(flatten)]
+    pub(crate) amqp: AmqpArgs,
+    #[command(flatten)]
+    pub(crate) database: DatabaseArgs,
+    #[command(flatten)]
+    pub(crate) group: GroupArgs,
+    #[command(flatten)]
+    pub(crate) wait: WaitArgs,
+}
+
+/// What `parked` does.
+#[derive(Debug, Subcommand)]
+pub(crate) enum ParkedCommand {
+    /// The parked keys, oldest first: each with its head, why it failed and
+    /// how many events it holds.
+    List {
+        /// Only this key.
+        #[arg(long)]
+        key: Option<String>,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        #[command(flatten)]
+        on: ParkedOn,
+    },
+    /// Let a key's parked events apply, in their order, without its
+    /// dead-lettered head (discard the head with `dlq discard` first, or
+    /// replay it instead to apply it before them).
+    Release {
+        /// The ordering key.
+        key: String,
+        /// Say what it would do; do nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        on: ParkedOn,
+    },
+    /// Remove a key and its parked events, each written first to a
+    /// JSON-lines file (appended, synced before anything is removed).
+    Discard {
+        /// The ordering key.
+        key: String,
+        /// The file the events go to.
+        #[arg(long)]
+        to: PathBuf,
+        /// Say what it would do; do nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        on: ParkedOn,
+    },
+}
+
+impl ParkedArgs {
+    /// The servers and the group, on `topology`'s queues, and the action.
+    pub(crate) fn config(
+        &self,
+        topology: Topology,
+    ) -> Result<(Target, crate::commands::parked::ParkedAction), SettingError> {
+        use crate::commands::parked::ParkedAction;
+        let (on, action) = match &self.action {
+            ParkedCommand::List { key, limit, on } => (
+                on,
+                ParkedAction::List {
+                    key: key.clone(),
+                    limit: (*limit).max(1),
+                },
+            ),
+            ParkedCommand::Release { key, dry_run, on } => (
+                on,
+                ParkedAction::Release {
+                    key: key.clone(),
+                    dry_run: *dry_run,
+                },
+            ),
+            ParkedCommand::Discard {
+                key,
+                to,
+                dry_run,
+                on,
+            } => (
+                on,
+                ParkedAction::Discard {
+                    key: key.clone(),
+                    file: to.clone(),
+                    dry_run: *dry_run,
+                },
+            ),
+        };
+        let target = Target::new(
+            on.amqp.config(),
+            on.database.config(2),
+            topology,
+            on.group.consumer_group()?,
+            on.wait.startup_timeout.0,
+        );
+        Ok((target, action))
+    }
+}
+
 impl DlqTargetArgs {
     /// The servers, the group and its dead-letter queue, with `topology`'s
     /// other names.
