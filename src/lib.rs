@@ -226,6 +226,8 @@ mod pages {
     struct Outbox;
     #[doc = include_str!("../docs/guide/prove.md")]
     struct Prove;
+    #[doc = include_str!("../docs/guide/ordering.md")]
+    struct Ordering;
 }
 
 /// The connection pool behind [`handler::Transaction`].

@@ -54,6 +54,8 @@ pub const EPOCH_RECORDS: &str = "IDEM_EPOCH_RECORDS";
 pub const FILTER_MEMORY_MIB: &str = "IDEM_FILTER_MEMORY_MIB";
 /// `--quorum-size`.
 pub const QUORUM_SIZE: &str = "IDEM_QUORUM_SIZE";
+/// The slot queues of an ordered queue (`--slots`).
+pub const SLOTS: &str = "IDEM_SLOTS";
 /// `worker --max-attempts`.
 pub const MAX_ATTEMPTS: &str = "IDEM_MAX_ATTEMPTS";
 /// `worker --mode`.

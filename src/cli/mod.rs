@@ -422,6 +422,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             ("max_attempts", topology.retry.attempts().to_string()),
             ("delivery_limit", topology.delivery_limit.to_string()),
             ("quorum_size", topology.quorum_size.to_string()),
+            ("slots", topology.slots.to_string()),
         ];
         defaults.extend(self.settings.iter().map(|(id, value)| (*id, value.clone())));
         with_defaults(command, &defaults)

@@ -214,7 +214,9 @@ pub enum GivenUp<'a, E> {
 }
 
 /// A shared handler is the same handler: what lets one value serve a
-/// worker and the tasks beside it (a pruner, say).
+/// worker and the tasks beside it (a pruner, say). Every method of the
+/// trait is forwarded: a default left out here would silently replace the
+/// handler's own.
 impl<H: Handler> Handler for std::sync::Arc<H> {
     type Event = H::Event;
 
@@ -228,6 +230,10 @@ impl<H: Handler> Handler for std::sync::Arc<H> {
 
     fn event_id<'e>(&self, event: &'e Self::Event) -> &'e str {
         (**self).event_id(event)
+    }
+
+    fn ordering_key<'e>(&self, event: &'e Self::Event) -> Option<&'e str> {
+        (**self).ordering_key(event)
     }
 
     fn apply(

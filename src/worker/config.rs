@@ -262,7 +262,7 @@ impl WorkerConfig {
 /// The transactions a worker has in flight at most: `max_in_flight` on an
 /// unordered queue; one per slot on an ordered one, and one applying its
 /// parked keys.
-fn in_flight(topology: &Topology, max_in_flight: usize) -> usize {
+pub(crate) fn in_flight(topology: &Topology, max_in_flight: usize) -> usize {
     if topology.is_ordered() {
         usize::from(topology.slots) + 1
     } else {

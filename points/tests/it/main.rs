@@ -37,6 +37,7 @@ mod idempotency;
 mod lab;
 mod migrations;
 mod observe;
+mod orders;
 mod outbox;
 mod proxy;
 mod publishing;

@@ -167,6 +167,16 @@ pub(crate) struct QueueArgs {
         value_parser = clap::value_parser!(u32).range(1..=99)
     )]
     pub(crate) quorum_size: u32,
+    /// Slot queues of an ordered queue (0: unordered): a key's events apply
+    /// in order, each key in one slot by RabbitMQ's consistent-hash exchange
+    /// on the idem-ordering-key header. Change it only as the guide says.
+    #[arg(
+        long,
+        env = vars::SLOTS,
+        default_value_t = 0,
+        value_parser = clap::value_parser!(u16).range(0..=1024)
+    )]
+    pub(crate) slots: u16,
 }
 
 impl QueueArgs {
@@ -178,7 +188,7 @@ impl QueueArgs {
             retry: RetryPolicy::default().with_delays(self.retry_delays.0.clone()),
             dead_letter_exchange: self.dead_letter_exchange.clone(),
             dead_letter_queue: self.dead_letters.dead_letter_queue.clone(),
-            ..Topology::for_queue(&self.queue)
+            ..Topology::for_queue(&self.queue).ordered(self.slots)
         }
     }
 }
@@ -319,7 +329,8 @@ impl SettingError {
                 pool_size,
                 max_in_flight,
             } => format!(
-                "--pool-size ({pool_size}) must be at least --max-in-flight ({max_in_flight}) + 2: \
+                "--pool-size ({pool_size}) must be at least the transactions in flight \
+                 ({max_in_flight}: --max-in-flight, or --slots + 1 on an ordered queue) + 2: \
                  the extra two serve the failure ledger while transactions hold the others"
             ),
             ConfigError::Zero(field) => format!("--{} must be at least 1", field.replace('_', "-")),
@@ -403,6 +414,8 @@ pub(crate) fn topology(route: &RouteArgs, queues: &QueueArgs) -> Topology {
         quorum_size: queues.quorum_size,
         dead_letter_exchange: queues.dead_letter_exchange.clone(),
         dead_letter_queue: queues.dead_letters.dead_letter_queue.clone(),
-        ..Topology::for_queue(&queues.queue).bound_to(&route.exchange, &route.routing_key)
+        ..Topology::for_queue(&queues.queue)
+            .bound_to(&route.exchange, &route.routing_key)
+            .ordered(queues.slots)
     }
 }

@@ -354,7 +354,8 @@ impl<F: Args> WorkerArgs<F> {
                 size as usize
             });
         // The extra connections serve the failure ledger while transactions hold the others.
-        let pool_size = self.pool_size.map_or(max_in_flight + 2, |n| n as usize);
+        let in_flight = crate::worker::transactions_in_flight(&defaults.topology, max_in_flight);
+        let pool_size = self.pool_size.map_or(in_flight + 2, |n| n as usize);
         let config = WorkerConfig {
             database: DatabaseConfig {
                 pool_size,
