@@ -103,6 +103,7 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
             crate::duration::format_list(topology.retry.delays()),
         ),
         (QUORUM_SIZE, topology.quorum_size.to_string()),
+        (SLOTS, topology.slots.to_string()),
     ]
 }
 /// The token the console's actions need (`console`, `worker --console`).

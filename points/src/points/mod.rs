@@ -80,6 +80,13 @@ impl Handler for Points {
         &event.event_id
     }
 
+    /// The order: on an ordered queue (`--slots`), an order's credits apply
+    /// in the order they were sent. Credits commute, so points' own queue
+    /// is not ordered.
+    fn ordering_key<'e>(&self, event: &'e PaymentSucceeded) -> Option<&'e str> {
+        Some(&event.order_id)
+    }
+
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
         Some(POINTS)
     }
@@ -119,6 +126,10 @@ impl Handler for Announcing {
 
     fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
         &event.event_id
+    }
+
+    fn ordering_key<'e>(&self, event: &'e PaymentSucceeded) -> Option<&'e str> {
+        Points.ordering_key(event)
     }
 
     fn tally(&self) -> Option<Tally<PaymentSucceeded>> {
