@@ -33,6 +33,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span, error, field, info, info_span, warn};
 
+#[cfg(feature = "cli")]
 pub(crate) use config::in_flight as transactions_in_flight;
 pub use config::{
     ConfigError, MAX_CONSUMER_GROUP_CHARS, Mode, Tuning, WorkerConfig, check_consumer_group,

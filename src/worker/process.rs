@@ -453,8 +453,15 @@ impl<H: Handler> Processor<H> {
                 max_attempts = self.retry().attempts(),
                 "out of attempts before the last restart: dead-lettering it"
             );
-            self.stats.dead_lettered(1);
             let why = format!("used up its {} attempts", self.retry().attempts());
+            if self.topology.is_ordered() {
+                // Its key waits for it, dead-lettered, as after any last
+                // failure.
+                let spent = Failure::new(FailureKind::Permanent, why);
+                self.park_failed(item, &spent, decided).await;
+                continue;
+            }
+            self.stats.dead_lettered(1);
             self.give_up(decided, item.delivery, Some(&item.event), None, &why);
         }
         rest

@@ -401,6 +401,22 @@ async fn an_event_without_a_usable_ordering_key_is_invalid() -> anyhow::Result<(
     .await
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_published_without_the_header_is_dead_lettered_as_invalid() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(2, &[]), |env| async move {
+        // The exchange routes it to a slot all the same (it hashes nothing).
+        let (body, _) = steps::step("o1", 1);
+        env.publish_keyed(&[(body, None)]).await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), Steps::default());
+        worker.settled(1, Duration::from_secs(30)).await?;
+        let stats = worker.stop().await?;
+        assert_eq!((stats.invalid, stats.applied), (1, 0), "{stats:?}");
+        assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 1);
+        Ok(())
+    })
+    .await
+}
+
 #[test]
 fn an_ordered_topology_names_its_slots_and_its_hash_exchange() {
     let topology = Topology::for_queue("steps.applied").ordered(3);
