@@ -194,3 +194,45 @@ fn no_file_of_the_library_but_a_test_module_imports_its_parent_whole() -> anyhow
     );
     Ok(())
 }
+
+/// The names of the `fn`s of the block that starts at the first line
+/// starting with `opening`, up to its closing `}` at the start of a line.
+fn methods_of(text: &str, opening: &str) -> Vec<String> {
+    let Some(start) = text.find(&format!("\n{opening}")) else {
+        return Vec::new();
+    };
+    let block = &text[start + 1..];
+    let end = block.find("\n}\n").unwrap_or(block.len());
+    let mut names: Vec<String> = block[..end]
+        .lines()
+        .filter_map(|line| {
+            let line = line.trim_start();
+            let rest = line
+                .strip_prefix("fn ")
+                .or_else(|| line.strip_prefix("async fn "))?;
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            Some(name)
+        })
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_shared_handler_forwards_every_method_of_the_trait() -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(root().join("src/handler/mod.rs"))?;
+    let trait_methods = methods_of(&text, "pub trait Handler");
+    let forwarded = methods_of(&text, "impl<H: Handler> Handler for std::sync::Arc<H>");
+    assert!(
+        trait_methods.contains(&"ordering_key".to_owned()),
+        "{trait_methods:?}"
+    );
+    assert_eq!(
+        forwarded, trait_methods,
+        "Arc<H> must forward each method, or the handler's own is replaced by the default"
+    );
+    Ok(())
+}
