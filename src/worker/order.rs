@@ -186,17 +186,7 @@ impl<H: Handler> Processor<H> {
     ) {
         let event_id = self.event_id(&item).to_owned();
         let key = self.key(&item).to_owned();
-        let counted = self
-            .until_database_answers(
-                || self.store().record_failure(&event_id, &failure.reason),
-                |_| true,
-            )
-            .await;
-        let Ok(failures) = counted else {
-            unreachable!("every error of the ledger is retried");
-        };
-        self.stats.failed(1);
-        let next = self.retry().after(failure.kind, failures);
+        let (failures, next) = self.count_failure(&event_id, failure).await;
         let retry_in = match next {
             Next::Now => Some(Duration::ZERO),
             Next::Wait(delay) => Some(delay),

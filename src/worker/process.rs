@@ -505,17 +505,7 @@ impl<H: Handler> Processor<H> {
             self.give_up_failed(decided, item, failure);
             return;
         }
-        let counted = self
-            .until_database_answers(
-                || self.store().record_failure(event_id, &failure.reason),
-                |_| true,
-            )
-            .await;
-        let Ok(failures) = counted else {
-            unreachable!("every error of the ledger is retried");
-        };
-        self.stats.failed(1);
-        let next = self.retry().after(failure.kind, failures);
+        let (failures, next) = self.count_failure(event_id, failure).await;
         let outcome = match next {
             Next::DeadLetter(GiveUp::Permanent) => {
                 "the handler says the message can never apply: dead-lettering it now"
@@ -557,6 +547,25 @@ impl<H: Handler> Processor<H> {
             }
             Next::DeadLetter(_) | Next::Hold => self.give_up_failed(decided, item, failure),
         }
+    }
+
+    /// Counts a genuine failure of `event_id` in the failure ledger (held,
+    /// as in an outage, until the ledger takes it: a failure returned
+    /// uncounted would let the broker's delivery limit dead-letter a message
+    /// idem never gave up on); the failures so far and what the policy says
+    /// follows.
+    pub(super) async fn count_failure(&self, event_id: &str, failure: &Failure) -> (u32, Next) {
+        let counted = self
+            .until_database_answers(
+                || self.store().record_failure(event_id, &failure.reason),
+                |_| true,
+            )
+            .await;
+        let Ok(failures) = counted else {
+            unreachable!("every error of the ledger is retried");
+        };
+        self.stats.failed(1);
+        (failures, self.retry().after(failure.kind, failures))
     }
 
     /// Runs `operation` until it succeeds or fails with an error `held` does
