@@ -585,8 +585,12 @@ async fn consume<H: Handler>(
         Ok(consumer) => consumer,
         Err(error) => return SessionEnd::Lost(error.to_string()),
     };
-    processor.stats.sessions(1);
-    processor.stats.consuming(true);
+    // A slot's consumer is one of the session's: the slots count it.
+    let slot = hand_over.is_some();
+    if !slot {
+        processor.stats.sessions(1);
+        processor.stats.consuming(true);
+    }
     info!(
         queue,
         consumer_group = %config.consumer_group,
@@ -650,7 +654,9 @@ async fn consume<H: Handler>(
     if let Some(canceller) = canceller {
         canceller.abort();
     }
-    processor.stats.consuming(false);
+    if !slot {
+        processor.stats.consuming(false);
+    }
     if let SessionEnd::Drained = end {
         while in_flight.join_next().await.is_some() {}
         drop(settler);

@@ -70,6 +70,7 @@ pub(super) async fn consume<H: Handler>(
     let mut held: HashMap<usize, Held> = HashMap::new();
     let mut consuming: Consuming<'_> = FuturesUnordered::new();
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
+    processor.stats.sessions(1);
     let end = 'session: loop {
         tokio::select! {
             _ = heartbeat.tick(), if !shutdown.is_cancelled() => {
@@ -111,6 +112,7 @@ pub(super) async fn consume<H: Handler>(
                     held.insert(slot, Held { channel, hand_over });
                 }
                 processor.stats.slots(held.len());
+                processor.stats.consuming(!held.is_empty());
             }
             Some((slot, end)) = consuming.next() => {
                 let Some(gone) = held.remove(&slot) else { continue };
@@ -120,6 +122,7 @@ pub(super) async fn consume<H: Handler>(
                 // Handed over: what it took and did not start goes back.
                 close_channel(&gone.channel).await;
                 processor.stats.slots(held.len());
+                processor.stats.consuming(!held.is_empty());
                 if shutdown.is_cancelled() && held.is_empty() {
                     break SessionEnd::Drained;
                 }
@@ -127,6 +130,8 @@ pub(super) async fn consume<H: Handler>(
             () = shutdown.cancelled(), if held.is_empty() => break SessionEnd::Drained,
         }
     };
+    processor.stats.slots(0);
+    processor.stats.consuming(false);
     if let SessionEnd::Drained = end
         && let Err(error) = store.leave_slots(&topology.queue, member).await
     {

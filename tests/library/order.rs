@@ -124,6 +124,11 @@ async fn four_workers_share_the_slots_and_each_does_its_part() -> anyhow::Result
         for worker in workers {
             let stats = worker.stop().await?;
             assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+            assert_eq!(
+                (stats.sessions, stats.slots),
+                (1, 0),
+                "one session, left: {stats:?}"
+            );
             applied.push(stats.applied);
         }
         assert!(
