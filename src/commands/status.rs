@@ -185,23 +185,7 @@ impl fmt::Display for Status {
             )?,
         }
         if let Some(parked) = &self.parked {
-            write!(
-                f,
-                "  parked keys        {} key(s) holding {} event(s)",
-                parked.keys, parked.events
-            )?;
-            if let Some(oldest) = parked
-                .oldest
-                .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            {
-                write!(
-                    f,
-                    " (oldest parked {}; `{} parked` lists them)",
-                    rfc3339(oldest.as_secs()),
-                    crate::program::name()
-                )?;
-            }
-            writeln!(f)?;
+            parked_line(f, parked)?;
         }
         let reasons: Vec<String> = self
             .index
@@ -235,4 +219,25 @@ impl fmt::Display for Status {
             _ => write!(f, " (by the index, {synced})"),
         }
     }
+}
+
+/// The parked keys of an ordered queue, in one line.
+fn parked_line(f: &mut fmt::Formatter<'_>, parked: &ParkedTotals) -> fmt::Result {
+    write!(
+        f,
+        "  parked keys        {} key(s) holding {} event(s)",
+        parked.keys, parked.events
+    )?;
+    if let Some(oldest) = parked
+        .oldest
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+    {
+        write!(
+            f,
+            " (oldest parked {}; `{} parked` lists them)",
+            rfc3339(oldest.as_secs()),
+            crate::program::name()
+        )?;
+    }
+    writeln!(f)
 }

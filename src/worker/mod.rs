@@ -573,31 +573,12 @@ async fn consume<H: Handler>(
         hand_over,
     } = source;
     let mut lost = std::pin::pin!(lost);
-    let consumer = match channel
-        .basic_consume(
-            queue.into(),
-            "".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-    {
+    // A slot's consumer is one of the session's: the slots count it.
+    let slot = hand_over.is_some();
+    let consumer = match subscribe(config, queue, channel, &processor.stats, !slot).await {
         Ok(consumer) => consumer,
         Err(error) => return SessionEnd::Lost(error.to_string()),
     };
-    // A slot's consumer is one of the session's: the slots count it.
-    let slot = hand_over.is_some();
-    if !slot {
-        processor.stats.sessions(1);
-        processor.stats.consuming(true);
-    }
-    info!(
-        queue,
-        consumer_group = %config.consumer_group,
-        prefetch = config.prefetch,
-        batch_size = config.batch_size,
-        "consuming"
-    );
     let canceller = hand_over
         .is_none()
         .then(|| tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag())));
@@ -663,6 +644,37 @@ async fn consume<H: Handler>(
         let _ = settled.await;
     }
     end
+}
+
+/// Registers a consumer of `queue` on `channel`, counted as a session
+/// consuming when `counted`, and says so.
+async fn subscribe(
+    config: &WorkerConfig,
+    queue: &str,
+    channel: &Channel,
+    stats: &Stats,
+    counted: bool,
+) -> lapin::Result<lapin::Consumer> {
+    let consumer = channel
+        .basic_consume(
+            queue.into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    if counted {
+        stats.sessions(1);
+        stats.consuming(true);
+    }
+    info!(
+        queue,
+        consumer_group = %config.consumer_group,
+        prefetch = config.prefetch,
+        batch_size = config.batch_size,
+        "consuming"
+    );
+    Ok(consumer)
 }
 
 /// One transaction in flight, counted until its task ends or is dropped.
