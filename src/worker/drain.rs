@@ -10,8 +10,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::BasicProperties;
-use lapin::types::{AMQPValue, FieldTable};
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -221,7 +219,7 @@ impl<H: Handler> Drainer<H> {
             routing_key: topology.queue.clone(),
             body: parked.body.clone(),
             properties: dead_letter_properties(
-                &properties_of(&properties),
+                &crate::broker::json::properties_from_json(&properties),
                 "",
                 &parked.queue,
                 &parked.queue,
@@ -263,40 +261,4 @@ impl<H: Handler> Drainer<H> {
             }
         }
     }
-}
-
-/// Properties of a parked event, from what was kept of them: its content
-/// type, message id, timestamp, app id and headers of plain values.
-fn properties_of(json: &Value) -> BasicProperties {
-    let text = |name: &str| json.get(name).and_then(Value::as_str).map(str::to_owned);
-    let mut properties = BasicProperties::default().with_delivery_mode(2);
-    if let Some(value) = text("content_type") {
-        properties = properties.with_content_type(value.into());
-    }
-    if let Some(value) = text("message_id") {
-        properties = properties.with_message_id(value.into());
-    }
-    if let Some(value) = text("app_id") {
-        properties = properties.with_app_id(value.into());
-    }
-    if let Some(value) = json.get("timestamp").and_then(Value::as_u64) {
-        properties = properties.with_timestamp(value);
-    }
-    if let Some(Value::Object(headers)) = json.get("headers") {
-        let mut table = FieldTable::default();
-        for (name, value) in headers {
-            let value = match value {
-                Value::String(text) => AMQPValue::LongString(text.as_str().into()),
-                Value::Bool(flag) => AMQPValue::Boolean(*flag),
-                Value::Number(number) => match number.as_i64() {
-                    Some(n) => AMQPValue::LongLongInt(n),
-                    None => continue,
-                },
-                _ => continue,
-            };
-            table.insert(name.as_str().into(), value);
-        }
-        properties = properties.with_headers(table);
-    }
-    properties
 }
