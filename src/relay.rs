@@ -175,7 +175,7 @@ pub async fn run(
         }
         match declare_exchanges(&connection, &config.outgoing).await {
             Ok(()) => {}
-            Err(error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. })) => {
+            Err(error) if error.needs_an_operator() => {
                 close(&connection).await;
                 return Err(error.into());
             }

@@ -64,6 +64,20 @@ impl Outgoing {
                 .with_headers(headers),
         }
     }
+
+    /// The same message with its ordering key in the
+    /// [`ORDERING_KEY_HEADER`](crate::handler::ORDERING_KEY_HEADER) header:
+    /// what an ordered queue's consistent-hash exchange routes by, and what
+    /// its worker checks against the key the handler reads from the body.
+    pub fn with_ordering_key(mut self, key: &str) -> Self {
+        let mut headers = self.properties.headers().clone().unwrap_or_default();
+        headers.insert(
+            crate::handler::ORDERING_KEY_HEADER.into(),
+            AMQPValue::LongString(key.into()),
+        );
+        self.properties = self.properties.with_headers(headers);
+        self
+    }
 }
 
 /// The broker took the message but did not accept it.
@@ -492,5 +506,23 @@ impl Batch<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_ordering_key_joins_the_headers_already_there() {
+        let keyed =
+            Outgoing::json("events", "order.status", b"{}".to_vec()).with_ordering_key("o-7");
+        let headers = keyed.properties.headers().clone().unwrap_or_default();
+        let headers = headers.inner();
+        assert_eq!(
+            headers.get(crate::handler::ORDERING_KEY_HEADER),
+            Some(&AMQPValue::LongString("o-7".into()))
+        );
+        assert!(headers.contains_key("timestamp_in_ms"), "{headers:?}");
     }
 }

@@ -180,6 +180,17 @@ pub enum TopologyError {
         /// What the broker said.
         broker: String,
     },
+    /// The broker lacks the plugin an ordered queue's slots exchange needs.
+    #[error(
+        "RabbitMQ cannot declare {object} ({broker}): an ordered queue needs the consistent-hash exchange; \
+         enable it on every node with `rabbitmq-plugins enable rabbitmq_consistent_hash_exchange`"
+    )]
+    PluginMissing {
+        /// Which object.
+        object: String,
+        /// What the broker said.
+        broker: String,
+    },
     /// Any other failure (the connection dropped, say).
     #[error("declaring {object} failed: {source}")]
     Broker {
@@ -191,6 +202,12 @@ pub enum TopologyError {
 }
 
 impl TopologyError {
+    /// Whether only an operator mends it (a mismatch, a permission, a
+    /// plugin), so that trying again is no use; else the connection failed.
+    pub fn needs_an_operator(&self) -> bool {
+        !matches!(self, TopologyError::Broker { .. })
+    }
+
     fn from_lapin(object: String, source: lapin::Error) -> Self {
         use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
         match source.kind() {
@@ -643,18 +660,11 @@ impl Topology {
             .await
             .map_err(|source| match source.kind() {
                 lapin::ErrorKind::ProtocolError(amqp)
-                    if amqp
-                        .get_message()
-                        .as_str()
-                        .contains("invalid exchange type") =>
+                    if is_unknown_exchange_type(amqp.get_message().as_str()) =>
                 {
-                    TopologyError::Refused {
+                    TopologyError::PluginMissing {
                         object: format!("exchange '{name}'"),
-                        broker: format!(
-                            "{}; an ordered queue needs the plugin: \
-                             rabbitmq-plugins enable rabbitmq_consistent_hash_exchange",
-                            amqp.get_message()
-                        ),
+                        broker: amqp.get_message().to_string(),
                     }
                 }
                 _ => TopologyError::from_lapin(format!("exchange '{name}'"), source),
@@ -715,6 +725,15 @@ impl Topology {
             "bindings": bindings,
         })
     }
+}
+
+/// Whether the broker refused an exchange for its type, which a plugin
+/// not enabled brings: RabbitMQ 3.x says "unknown exchange type", some
+/// versions "invalid exchange type".
+fn is_unknown_exchange_type(message: &str) -> bool {
+    ["unknown exchange type", "invalid exchange type"]
+        .iter()
+        .any(|refusal| message.contains(refusal))
 }
 
 /// The type of RabbitMQ's consistent-hash exchange (a plugin).
@@ -845,6 +864,17 @@ mod tests {
                 ..Topology::for_queue("work").bound_to("x", "k")
             }
         }
+    }
+
+    #[test]
+    fn a_broker_without_the_hash_exchange_plugin_is_recognised() {
+        // As RabbitMQ 3.10 refuses the slots exchange without the plugin.
+        assert!(is_unknown_exchange_type(
+            "COMMAND_INVALID - unknown exchange type 'x-consistent-hash'"
+        ));
+        assert!(!is_unknown_exchange_type(
+            "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'x'"
+        ));
     }
 
     #[test]
