@@ -74,6 +74,10 @@ pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
 pub const LANES: &str = "IDEM_LANES";
 /// `worker --max-body-bytes`.
 pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
+/// `worker --max-parked-per-key`.
+pub const MAX_PARKED_PER_KEY: &str = "IDEM_MAX_PARKED_PER_KEY";
+/// `worker --max-parked-keys`.
+pub const MAX_PARKED_KEYS: &str = "IDEM_MAX_PARKED_KEYS";
 /// `--kept-body-bytes` of `worker`.
 pub const KEPT_BODY_BYTES: &str = "IDEM_KEPT_BODY_BYTES";
 /// `worker --shutdown-timeout`.

@@ -50,7 +50,7 @@ pub use filter::Filters;
 #[doc(hidden)]
 pub use flush::Lanes;
 pub use ledger::LedgerEntry;
-pub use parked::{DiscardError, ParkedEvent, ParkedKey, ParkedTotals, Parking};
+pub use parked::{DiscardError, Parked, ParkedEvent, ParkedKey, ParkedTotals, Parking};
 pub use ready::ReadyError;
 #[doc(hidden)]
 pub use ready::until_answered;

@@ -59,6 +59,15 @@ pub struct ParkedKey {
     pub events: i64,
 }
 
+/// What a park did not keep, by the places of the events asked for.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Parked {
+    /// Their key is parked no longer: apply them.
+    pub unparked: Vec<usize>,
+    /// Their key holds as many events as the bound allows: they wait.
+    pub over_bound: Vec<usize>,
+}
+
 /// The keys of a consumer group, how many there are parked and events held.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ParkedTotals {
@@ -78,6 +87,12 @@ const LOCK_KEYS: &str = "\
     SELECT ordering_key, head_event_id, head_dead FROM mq_parked_key \
     WHERE consumer_group = $1 AND ordering_key = ANY($2::varchar[]) \
     ORDER BY ordering_key FOR UPDATE";
+
+const HELD_PER_KEY: &str = "\
+    SELECT ordering_key, count(*) FROM mq_parked_event \
+    WHERE consumer_group = $1 AND ordering_key = ANY($2::varchar[]) GROUP BY ordering_key";
+
+const KEYS_PARKED: &str = "SELECT count(*) FROM mq_parked_key WHERE consumer_group = $1";
 
 const PARK: &str = "\
     INSERT INTO mq_parked_event (consumer_group, ordering_key, position, event_id, queue, body, properties) \
@@ -181,14 +196,30 @@ impl Store {
         Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
+    /// Every key of the consumer group that is parked (they are bounded,
+    /// see [`Store::park_head`]).
+    pub async fn parked_key_names(&self) -> Result<std::collections::HashSet<String>, StoreError> {
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                "SELECT ordering_key FROM mq_parked_key WHERE consumer_group = $1",
+                &[&self.consumer_group],
+            )
+            .await?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
+    }
+
     /// Keeps each of `events` behind its key's head, in their order, in one
-    /// transaction; a dead head that comes back (a replay) goes first and
-    /// makes its key due. Returns the places in `events` of those whose
-    /// key is parked no longer (its last event applied meanwhile): they
-    /// are to be applied.
-    pub async fn park(&self, events: &[Parking<'_>]) -> Result<Vec<usize>, StoreError> {
+    /// transaction, while its key holds fewer than `per_key` events; a dead
+    /// head that comes back (a replay) goes first, whatever its key holds,
+    /// and makes its key due. Says which of `events` (by their places)
+    /// were not parked: those whose key is parked no longer (its last
+    /// event applied meanwhile), to be applied, and those past the bound,
+    /// to wait.
+    pub async fn park(&self, events: &[Parking<'_>], per_key: u32) -> Result<Parked, StoreError> {
+        let mut parked = Parked::default();
         if events.is_empty() {
-            return Ok(Vec::new());
+            return Ok(parked);
         }
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
@@ -201,46 +232,74 @@ impl Store {
             .iter()
             .map(|row| (row.get(0), (row.get(1), row.get(2))))
             .collect();
-        let mut unparked = Vec::new();
+        let mut held: HashMap<String, i64> = tx
+            .query(HELD_PER_KEY, &[&self.consumer_group, &keys])
+            .await?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
         for (place, event) in events.iter().enumerate() {
             let Some((head, dead)) = locked.get(event.key) else {
-                unparked.push(place);
+                parked.unparked.push(place);
                 continue;
             };
             let comes_back = *dead && head == event.event_id;
+            let holds = held.entry(event.key.to_owned()).or_default();
+            // Once one event of a key is past the bound, so are its later
+            // ones: the count only grows here.
+            if !comes_back && *holds >= i64::from(per_key) {
+                parked.over_bound.push(place);
+                continue;
+            }
             let statement = if comes_back { PARK_FIRST } else { PARK };
-            tx.execute(
-                statement,
-                &[
-                    &self.consumer_group,
-                    &event.key,
-                    &event.event_id,
-                    &event.body,
-                    &event.properties,
-                    &event.queue,
-                ],
-            )
-            .await?;
+            *holds += tx
+                .execute(
+                    statement,
+                    &[
+                        &self.consumer_group,
+                        &event.key,
+                        &event.event_id,
+                        &event.body,
+                        &event.properties,
+                        &event.queue,
+                    ],
+                )
+                .await? as i64;
             if comes_back {
                 tx.execute(HEAD_BACK, &[&self.consumer_group, &event.key])
                     .await?;
             }
         }
         tx.commit().await?;
-        Ok(unparked)
+        Ok(parked)
     }
 
     /// Parks `key` behind `head`, whose transaction failed with `error`:
     /// kept here to be tried again after `retry_in`, or, with `None`, dead
-    /// (the caller dead-letters it).
+    /// (the caller dead-letters it). False, and nothing written, when the
+    /// key is not parked yet and `keys` are already.
     pub async fn park_head(
         &self,
         head: &Parking<'_>,
         retry_in: Option<Duration>,
         error: &str,
-    ) -> Result<(), StoreError> {
+        keys: u32,
+    ) -> Result<bool, StoreError> {
         let mut client = self.pool.get().await?;
         let tx = client.transaction().await?;
+        let parked_already = tx
+            .query_opt(LOCK_KEY, &[&self.consumer_group, &head.key])
+            .await?
+            .is_some();
+        if !parked_already {
+            let parked: i64 = tx
+                .query_one(KEYS_PARKED, &[&self.consumer_group])
+                .await?
+                .get(0);
+            if parked >= i64::from(keys) {
+                return Ok(false);
+            }
+        }
         let dead = retry_in.is_none();
         let wait = millis(retry_in.unwrap_or_default());
         tx.execute(
@@ -270,7 +329,7 @@ impl Store {
             .await?;
         }
         tx.commit().await?;
-        Ok(())
+        Ok(true)
     }
 
     /// Up to `at_most` parked keys whose head is due, each leased to the

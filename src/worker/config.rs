@@ -136,6 +136,40 @@ pub struct WorkerConfig {
     /// The exchanges the handler's messages go to, declared with the
     /// topology (by the worker's relay too).
     pub outgoing: Vec<Exchange>,
+    /// On an ordered queue, how much PostgreSQL holds for parked keys.
+    pub parked_bounds: ParkedBounds,
+}
+
+/// How much an ordered queue's parked keys may hold in PostgreSQL. Past a
+/// bound an event is not parked: it waits in the worker, unacked, and is
+/// parked once the bound allows (its key's head applied and the key's
+/// events drained, or an operator released or discarded a key); the
+/// worker logs it and counts it (`idem_parked_bound_waits_total`). A
+/// batch that holds such an event waits with it, and the keys it holds
+/// with it; the slot's other keys go on while the prefetch lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParkedBounds {
+    /// Events one key holds (its head among them while it waits for its
+    /// next attempt).
+    pub events_per_key: u32,
+    /// Keys parked in the consumer group.
+    pub keys: u32,
+}
+
+impl ParkedBounds {
+    /// Events one key holds at most, by default.
+    pub const DEFAULT_EVENTS_PER_KEY: u32 = 10_000;
+    /// Keys parked at most, by default.
+    pub const DEFAULT_KEYS: u32 = 10_000;
+}
+
+impl Default for ParkedBounds {
+    fn default() -> Self {
+        Self {
+            events_per_key: Self::DEFAULT_EVENTS_PER_KEY,
+            keys: Self::DEFAULT_KEYS,
+        }
+    }
 }
 
 impl WorkerConfig {
@@ -198,6 +232,7 @@ impl WorkerConfig {
             summary_interval: Self::DEFAULT_SUMMARY_INTERVAL,
             relay: true,
             epochs: EpochSettings::default(),
+            parked_bounds: ParkedBounds::default(),
             outgoing: Vec::new(),
         }
     }
@@ -260,11 +295,11 @@ impl WorkerConfig {
 }
 
 /// The transactions a worker has in flight at most: `max_in_flight` on an
-/// unordered queue; one per slot on an ordered one, and one applying its
-/// parked keys.
+/// unordered queue; on an ordered one, as many but at least one per slot,
+/// and one applying its parked keys.
 pub(crate) fn in_flight(topology: &Topology, max_in_flight: usize) -> usize {
     if topology.is_ordered() {
-        usize::from(topology.slots) + 1
+        max_in_flight.max(usize::from(topology.slots)) + 1
     } else {
         max_in_flight
     }

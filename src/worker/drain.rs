@@ -35,6 +35,10 @@ const KEYS_AT_ONCE: i64 = 16;
 /// Events of a key read at once.
 const EVENTS_AT_ONCE: i64 = 100;
 
+/// How often the parked keys and their events are counted, for the
+/// `idem_parked_keys` and `idem_parked_events` gauges.
+const COUNT_EVERY: Duration = Duration::from_secs(5);
+
 /// The wait before a head is tried again after the database or the broker
 /// failed (not the event: its attempts are not spent).
 const OUTAGE_PAUSE: Duration = Duration::from_secs(1);
@@ -50,10 +54,21 @@ pub(super) async fn run<H: Handler>(
         amqp,
         broker: None,
     };
+    let mut counted: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             () = tokio::time::sleep(POLL) => {}
             () = shutdown.cancelled() => return,
+        }
+        if counted.is_none_or(|at| at.elapsed() >= COUNT_EVERY) {
+            counted = Some(tokio::time::Instant::now());
+            match drainer.store().parked_totals().await {
+                Ok(totals) => drainer
+                    .processor
+                    .stats
+                    .parked_now(totals.keys, totals.events),
+                Err(error) => debug!(%error, "cannot count the parked keys"),
+            }
         }
         let keys = match drainer.store().due_keys(KEYS_AT_ONCE, LEASE).await {
             Ok(keys) => keys,
@@ -121,7 +136,7 @@ impl<H: Handler> Drainer<H> {
                 // Decoded when it was parked: a handler that changed since.
                 let reason = invalid.to_string();
                 processor.stats.invalid(1);
-                self.dead_letter(key, &parked, &reason).await?;
+                self.dead_letter(key, &parked, None, &reason).await?;
                 return Ok(false);
             }
         };
@@ -178,7 +193,8 @@ impl<H: Handler> Drainer<H> {
                             "a parked key's head is out of attempts: dead-lettering it; its key stays parked until it is replayed or released"
                         );
                         processor.stats.dead_lettered(1);
-                        self.dead_letter(key, &parked, &failure.reason).await?;
+                        self.dead_letter(key, &parked, Some(&event), &failure.reason)
+                            .await?;
                     }
                 }
                 Ok(false)
@@ -186,19 +202,26 @@ impl<H: Handler> Drainer<H> {
         }
     }
 
-    /// Dead-letters the parked head `parked` (confirmed by the broker and
-    /// written into the dead-letter index first), then marks its key's head
-    /// dead. When the broker does not take it, the head waits and is tried
-    /// again.
+    /// Dead-letters the parked head `parked` (of `event`, when it decodes;
+    /// written into the dead-letter index first, with what the handler
+    /// sends when it gives up, then confirmed by the broker), then marks
+    /// its key's head dead. When the broker does not take it, the head
+    /// waits and is tried again.
     async fn dead_letter(
         &mut self,
         key: &str,
         parked: &ParkedEvent,
+        event: Option<&H::Event>,
         error: &str,
     ) -> Result<(), StoreError> {
         let processor = Arc::clone(&self.processor);
         let topology = &processor.topology;
         let properties = parked.properties.clone().unwrap_or(Value::Null);
+        let original = crate::broker::json::properties_from_json(&properties);
+        let given_up: Vec<_> = processor
+            .given_up_messages(event, &parked.body, original.headers().as_ref(), error)
+            .into_iter()
+            .collect();
         let letter = DeadLetter {
             key: event_key(&parked.event_id),
             event_id: Some(parked.event_id.clone()),
@@ -210,7 +233,7 @@ impl<H: Handler> Drainer<H> {
             body: Some(parked.body.clone()),
             properties: Some(properties.clone()),
         };
-        self.store().dead_lettered(&[letter], &[]).await?;
+        self.store().dead_lettered(&[letter], &given_up).await?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
@@ -219,7 +242,7 @@ impl<H: Handler> Drainer<H> {
             routing_key: topology.queue.clone(),
             body: parked.body.clone(),
             properties: dead_letter_properties(
-                &crate::broker::json::properties_from_json(&properties),
+                &original,
                 "",
                 &parked.queue,
                 &parked.queue,

@@ -36,7 +36,8 @@ use tracing::{Instrument, Span, error, field, info, info_span, warn};
 #[cfg(feature = "cli")]
 pub(crate) use config::in_flight as transactions_in_flight;
 pub use config::{
-    ConfigError, MAX_CONSUMER_GROUP_CHARS, Mode, Tuning, WorkerConfig, check_consumer_group,
+    ConfigError, MAX_CONSUMER_GROUP_CHARS, Mode, ParkedBounds, Tuning, WorkerConfig,
+    check_consumer_group,
 };
 pub use epochs::EpochSettings;
 pub(crate) use process::decode;
@@ -54,6 +55,7 @@ use crate::telemetry::trace;
 use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
 use intake::Intake;
+use order::{HeldKeys, SlotKeys};
 use process::Processor;
 use settle::{Disposition, Settlement, Settler};
 
@@ -204,6 +206,7 @@ impl<H: Handler> Worker<H> {
         let processor = Arc::new(Processor {
             applier: Applier::new(store, Arc::new(handler))?.probed(probe.clone()),
             max_body_bytes: config.max_body_bytes,
+            parked_bounds: config.parked_bounds,
             health,
             stats: Arc::clone(&stats),
             topology: config.topology.clone(),
@@ -422,7 +425,7 @@ async fn session<H: Handler>(
     };
     match declared.await {
         Ok(()) => {}
-        Err(error @ (TopologyError::Mismatch { .. } | TopologyError::Refused { .. })) => {
+        Err(error) if error.needs_an_operator() => {
             return Err(error.into());
         }
         Err(error) => return Ok(SessionEnd::Lost(error.to_string())),
@@ -447,7 +450,7 @@ async fn session<H: Handler>(
         } else {
             let source = Source {
                 queue: &config.topology.queue,
-                max_in_flight: config.max_in_flight,
+                permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
                 hand_over: None,
             };
             consume(
@@ -497,27 +500,38 @@ fn batch_span(config: &WorkerConfig, batch: &[Delivery]) -> Span {
     span
 }
 
-/// Processes `batch` (taken from `queue`), sends the copies it
-/// decided on (to wait, to die), and hands every settlement to `settler`;
-/// a panic gives the batch back. `permit` is its place among the
-/// transactions in flight, and `counted` counts it in flight until done.
+/// A batch's place among the transactions in flight: its permit, its
+/// count in flight until done, and, from a slot, the keys it holds.
+struct Place {
+    permit: OwnedSemaphorePermit,
+    counted: InFlight,
+    held: Option<HeldKeys>,
+}
+
+/// Processes `batch` (taken from `queue`) in its `place`, sends the copies
+/// it decided on (to wait, to die), and hands every settlement to
+/// `settler`; a panic gives the batch back.
 async fn settle_batch<H: Handler>(
     processor: Arc<Processor<H>>,
     forwarder: Arc<Forwarder>,
     settler: Settler,
     batch: Vec<Delivery>,
-    permit: OwnedSemaphorePermit,
-    counted: InFlight,
+    place: Place,
     queue: Arc<str>,
 ) {
     let tags: Vec<DeliveryTag> = batch.iter().map(|d| d.delivery_tag).collect();
-    let _counted = counted;
+    let Place {
+        permit,
+        counted: _counted,
+        held,
+    } = place;
     let mut permit = Some(permit);
     // The transaction's and the wait's futures are several kilobytes:
     // boxed, they are built once the task runs, and the task moved into
     // the runtime stays small. Unboxed, the copies cost per-message mode
     // about a tenth more worker CPU per message (`idem bench`).
-    let processing = Box::pin(processor.process(batch, &queue, &mut permit));
+    let keys = held.as_ref().map(HeldKeys::slot);
+    let processing = Box::pin(processor.process(batch, &queue, keys, &mut permit));
     let settlements = match caught::future(processing).await {
         Ok(mut decided) => {
             if !decided.waiting.is_empty() || !decided.dead.is_empty() {
@@ -538,14 +552,16 @@ async fn settle_batch<H: Handler>(
     };
     settler.settle(settlements);
     drop(permit);
+    drop(held);
 }
 
 /// What one consumer takes from, and how it stops.
 struct Source<'a> {
     /// The work queue, or a slot of an ordered queue.
     queue: &'a str,
-    /// Batches in flight at most.
-    max_in_flight: usize,
+    /// Its places among the transactions in flight (the slots of an
+    /// ordered queue share theirs).
+    permits: Arc<Semaphore>,
     /// For a slot: fired to hand the slot over (or at shutdown). The
     /// consumer is not cancelled, which would make the slot's next consumer
     /// active while this one still holds deliveries of its keys: it stops
@@ -569,7 +585,7 @@ async fn consume<H: Handler>(
 ) -> SessionEnd {
     let Source {
         queue,
-        max_in_flight,
+        permits,
         hand_over,
     } = source;
     let mut lost = std::pin::pin!(lost);
@@ -584,7 +600,7 @@ async fn consume<H: Handler>(
         .then(|| tokio::spawn(cancel_on(shutdown.clone(), channel.clone(), consumer.tag())));
     let hand_over = hand_over.unwrap_or_default();
     let (settler, settled) = Settler::spawn(channel.clone(), Arc::clone(&processor.stats));
-    let permits = Arc::new(Semaphore::new(max_in_flight.max(1)));
+    let keys = slot.then(|| Arc::new(SlotKeys::default()));
     let queue: Arc<str> = Arc::from(queue);
     let mut in_flight = JoinSet::new();
     let mut intake = Intake::new(consumer, config.batch_size, config.batch_wait);
@@ -604,6 +620,13 @@ async fn consume<H: Handler>(
         // Waiting for the database, or for a batch to finish, is also
         // watching the broker: a connection lost meanwhile ends the session
         // now, not once the database is back.
+        let held = match &keys {
+            Some(keys) => tokio::select! {
+                held = keys.hold(&batch) => Some(held),
+                reason = &mut lost => break SessionEnd::Lost(reason),
+            },
+            None => None,
+        };
         let permit = tokio::select! {
             permit = async {
                 processor.health.wait_up().await;
@@ -617,15 +640,18 @@ async fn consume<H: Handler>(
         settler.track(batch.iter().map(|d| d.delivery_tag).collect());
 
         let span = batch_span(config, &batch);
-        let counted = InFlight::start(Arc::clone(&processor.stats));
+        let place = Place {
+            permit,
+            counted: InFlight::start(Arc::clone(&processor.stats)),
+            held,
+        };
         in_flight.spawn(
             settle_batch(
                 Arc::clone(processor),
                 Arc::clone(forwarder),
                 settler.clone(),
                 batch,
-                permit,
-                counted,
+                place,
                 Arc::clone(&queue),
             )
             .instrument(span),

@@ -19,6 +19,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tracing::{Instrument, Span, debug, info, info_span, warn};
 
 use super::health::{DatabaseHealth, Hold};
+use super::order::SlotKeys;
 use super::settle::{Disposition, Settlement};
 use super::stats::Stats;
 use crate::broker::Topology;
@@ -113,6 +114,8 @@ pub(crate) struct Processor<H: Handler> {
     pub(crate) applier: Applier<H>,
     /// Bodies above this are invalid and never decoded.
     pub(crate) max_body_bytes: usize,
+    /// What an ordered queue's parked keys may hold.
+    pub(crate) parked_bounds: super::ParkedBounds,
     pub(crate) health: DatabaseHealth,
     pub(crate) stats: Arc<Stats>,
     /// The work queue's objects, and in them the retry policy: what a
@@ -156,6 +159,7 @@ impl<H: Handler> Processor<H> {
         &self,
         batch: Vec<Delivery>,
         queue: &str,
+        keys: Option<&SlotKeys>,
         slot: &mut Option<OwnedSemaphorePermit>,
     ) -> Decided {
         self.stats.received(batch.len() as u64);
@@ -191,10 +195,10 @@ impl<H: Handler> Processor<H> {
                 }
             }
         }
-        if self.topology.is_ordered() {
-            // The slot's next batch waits for this one whole: a key's later
-            // events may be in it.
-            self.apply_in_order(items, &mut decided).await;
+        if let Some(keys) = keys {
+            // A later batch of the slot with one of these keys waits for
+            // this one whole.
+            self.apply_in_order(items, &mut decided, keys).await;
         } else {
             self.apply(items, &mut decided, Some(slot)).await;
         }
@@ -240,28 +244,42 @@ impl<H: Handler> Processor<H> {
         why: &str,
     ) {
         let event_id = event.map(|event| self.handler().event_id(event).to_owned());
+        decided.given_up.extend(self.given_up_messages(
+            event,
+            &delivery.data,
+            delivery.properties.headers().as_ref(),
+            why,
+        ));
+        decided.dead_letter(&self.topology, delivery, event_id.as_deref(), error);
+    }
+
+    /// What the handler sends when idem gives up on a message (`body`,
+    /// with `headers`; of `event`, when it is a valid one) for `why`, if
+    /// anything.
+    pub(super) fn given_up_messages(
+        &self,
+        event: Option<&H::Event>,
+        body: &[u8],
+        headers: Option<&lapin::types::FieldTable>,
+        why: &str,
+    ) -> Option<GivenUpMessages> {
         let given_up = match event {
             Some(event) => GivenUp::Event { event, error: why },
-            None => GivenUp::Invalid {
-                body: &delivery.data,
-                reason: why,
-            },
+            None => GivenUp::Invalid { body, reason: why },
         };
         let messages =
             caught::call(|| self.handler().given_up(&given_up)).unwrap_or_else(|panic| {
                 warn!(%panic, "the handler's given_up panicked: no message says this letter died");
                 Vec::new()
             });
-        if !messages.is_empty() {
-            decided.given_up.push(GivenUpMessages {
-                key: event_id
-                    .as_deref()
-                    .map_or_else(|| body_key(&delivery.data), event_key),
-                replays: replays(delivery.properties.headers().as_ref()),
-                messages,
-            });
-        }
-        decided.dead_letter(&self.topology, delivery, event_id.as_deref(), error);
+        (!messages.is_empty()).then(|| GivenUpMessages {
+            key: event.map_or_else(
+                || body_key(body),
+                |event| event_key(self.handler().event_id(event)),
+            ),
+            replays: replays(headers),
+            messages,
+        })
     }
 
     /// Writes the batch's dead letters into the index, before they are

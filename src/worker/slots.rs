@@ -20,6 +20,7 @@ use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use lapin::options::BasicQosOptions;
 use lapin::{Channel, Connection};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -51,10 +52,11 @@ struct Held {
 type Consuming<'a> =
     FuturesUnordered<Pin<Box<dyn Future<Output = (usize, SessionEnd)> + Send + 'a>>>;
 
-/// Consumes this worker's share of the slots, each on a channel of its own
-/// with one batch in flight (a key's events are in one slot, and its next
-/// batch may hold the key's later events), following the share as workers
-/// come and go, until a channel fails or shutdown drains them all.
+/// Consumes this worker's share of the slots, each on a channel of its own,
+/// their batches sharing the transactions in flight (a batch that holds a
+/// key of another in flight waits for it: `SlotKeys`), following the share
+/// as workers come and go, until a channel fails or shutdown drains them
+/// all.
 pub(super) async fn consume<H: Handler>(
     config: &WorkerConfig,
     connection: &Arc<Connection>,
@@ -70,6 +72,11 @@ pub(super) async fn consume<H: Handler>(
     let mut held: HashMap<usize, Held> = HashMap::new();
     let mut consuming: Consuming<'_> = FuturesUnordered::new();
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
+    // Shared by the slots: a batch of each may be in flight, and more of
+    // one while the others are quiet.
+    let permits = Arc::new(Semaphore::new(
+        config.max_in_flight.max(usize::from(topology.slots)),
+    ));
     processor.stats.sessions(1);
     let end = 'session: loop {
         tokio::select! {
@@ -100,7 +107,7 @@ pub(super) async fn consume<H: Handler>(
                     let hand_over = shutdown.child_token();
                     let source = Source {
                         queue: &names[slot],
-                        max_in_flight: 1,
+                        permits: Arc::clone(&permits),
                         hand_over: Some(hand_over.clone()),
                     };
                     let consumed = channel.clone();

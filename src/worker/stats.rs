@@ -30,6 +30,20 @@ struct Delay {
     delay: String,
 }
 
+/// A bound of an ordered queue's parked keys, reached.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+pub(crate) enum ParkedBound {
+    /// `--max-parked-per-key`.
+    EventsPerKey,
+    /// `--max-parked-keys`.
+    Keys,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BoundLabel {
+    bound: &'static str,
+}
+
 /// A state of the pool's connections.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PoolState {
@@ -48,6 +62,9 @@ pub struct Stats {
     retried: Counter,
     dead_lettered: Counter,
     parked: Counter,
+    parked_bound_waits: Family<BoundLabel, Counter>,
+    parked_keys: Gauge,
+    parked_events: Gauge,
     retries: Family<Delay, Counter>,
     infrastructure_retries: Counter,
     sessions: Counter,
@@ -104,6 +121,8 @@ pub struct Snapshot {
     pub unconfirmed: u64,
     /// Slots of an ordered queue this worker consumes now.
     pub slots: i64,
+    /// Waits of events past a bound of the parked keys (a second each).
+    pub parked_bound_waits: u64,
 }
 
 impl Snapshot {
@@ -139,6 +158,9 @@ impl Stats {
             retried: outcome("retried"),
             dead_lettered: outcome("dead_lettered"),
             parked: outcome("parked"),
+            parked_bound_waits: Family::default(),
+            parked_keys: Gauge::default(),
+            parked_events: Gauge::default(),
             retries: Family::default(),
             infrastructure_retries: Counter::default(),
             sessions: Counter::default(),
@@ -243,6 +265,22 @@ impl Stats {
             "slots",
             "Slots of an ordered queue this worker consumes",
             self.slots.clone(),
+        );
+        registry.register(
+            "parked_keys",
+            "Keys of an ordered queue parked behind a failed head, as last counted",
+            self.parked_keys.clone(),
+        );
+        registry.register(
+            "parked_events",
+            "Events the parked keys hold in PostgreSQL, as last counted",
+            self.parked_events.clone(),
+        );
+        registry.register(
+            "parked_bound_waits",
+            "Seconds an event waited in the worker, unacked, because a bound of the parked \
+             keys was reached (events_per_key: --max-parked-per-key; keys: --max-parked-keys)",
+            self.parked_bound_waits.clone(),
         );
         registry.register(
             "database_up",
@@ -362,7 +400,32 @@ impl Stats {
             copies_nacked: self.copies_nacked.get(),
             unconfirmed: self.unconfirmed.get(),
             slots: self.slots.get(),
+            parked_bound_waits: [ParkedBound::EventsPerKey, ParkedBound::Keys]
+                .into_iter()
+                .map(|bound| self.bound_waits(bound).get())
+                .sum(),
         }
+    }
+
+    fn bound_waits(&self, bound: ParkedBound) -> Counter {
+        let bound = match bound {
+            ParkedBound::EventsPerKey => "events_per_key",
+            ParkedBound::Keys => "keys",
+        };
+        self.parked_bound_waits
+            .get_or_create(&BoundLabel { bound })
+            .clone()
+    }
+
+    /// An event waited a second past `bound`.
+    pub(crate) fn parked_bound_wait(&self, bound: ParkedBound) {
+        self.bound_waits(bound).inc();
+    }
+
+    /// The parked keys and the events they hold, as counted now.
+    pub(crate) fn parked_now(&self, keys: i64, events: i64) {
+        self.parked_keys.set(keys);
+        self.parked_events.set(events);
     }
 
     /// What the worker's copies count their nacks into.

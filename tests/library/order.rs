@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use idem::commands::parked::{self, ParkedAction, ParkedReport};
 use idem::dlq::{Action, DlqConfig};
+use idem::worker::ParkedBounds;
 use idem::{Mode, Topology};
 use tokio_util::sync::CancellationToken;
 
@@ -435,4 +436,193 @@ fn an_ordered_topology_names_its_slots_and_its_hash_exchange() {
     );
     assert_eq!(topology.slots_exchange(), "steps.applied.slots");
     assert_eq!(topology.consumed_queues(), topology.slot_queues());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_out_of_attempts_on_its_retry_is_dead_lettered_and_a_replay_keeps_the_order()
+-> anyhow::Result<()> {
+    // Two attempts: the first fails in the slot, the second, from the
+    // parked keys once it is due, fails too and dead-letters the head.
+    let mut topology = steps::topology(2, &[Duration::from_millis(200)]);
+    topology.retry = topology.retry.with_attempts(2);
+    with_env::<Steps, _, _>(topology, |env| async move {
+        let handler = Steps::default();
+        handler.stall("late");
+        let messages: Vec<_> = (1..=3)
+            .flat_map(|n| [steps::step("late", n), steps::step("other", n)])
+            .collect();
+        env.publish_keyed(&messages).await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), handler.clone());
+        wait_for(
+            "the other order done, the late head dead-lettered from its parked key",
+            Duration::from_secs(30),
+            || async {
+                Ok(steps_of(&env, "other").await? == [1, 2, 3]
+                    && env.ready(&env.topology.dead_letter_queue).await? == 1
+                    && env
+                        .number("SELECT count(*) FROM mq_parked_key WHERE head_dead")
+                        .await?
+                        == 1)
+            },
+        )
+        .await?;
+        assert_eq!(steps_of(&env, "late").await?, Vec::<i32>::new());
+        assert_eq!(
+            parked_events(&env).await?,
+            2,
+            "the late order's steps 2 and 3"
+        );
+        let indexed = env
+            .number(&format!(
+                "SELECT count(*) FROM mq_dead_letter WHERE event_id = '{}' \
+                 AND failures = 2 AND last_error LIKE '%not ready yet%'",
+                steps::step_id("late", 1)
+            ))
+            .await?;
+        assert_eq!(indexed, 1, "the index holds the head with its failures");
+
+        // Fixed and replayed, the letter goes back to its key's slot (its
+        // ordering key kept through the parked copy) and applies before
+        // the rest.
+        handler.fix("late");
+        let dlq = DlqConfig::new(env.worker_config(Mode::Batch, GROUP).target());
+        let replay = Action::Replay {
+            rate: None,
+            include_invalid: false,
+        };
+        let report =
+            idem::dlq::run(&dlq, &replay, &Steps::default(), &CancellationToken::new()).await?;
+        assert_eq!(report.replayed.len(), 1, "{report:?}");
+        wait_for(
+            "the late order's steps in order",
+            Duration::from_secs(30),
+            || async { Ok(steps_of(&env, "late").await? == [1, 2, 3]) },
+        )
+        .await?;
+        wait_for("no key parked", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_bound_of_events_per_key_the_next_events_wait_unacked_in_their_order()
+-> anyhow::Result<()> {
+    // The head keeps waiting for its next attempt through the test.
+    let mut topology = steps::topology(2, &[Duration::from_secs(2)]);
+    topology.retry = topology.retry.with_attempts(15);
+    with_env::<Steps, _, _>(topology, |env| async move {
+        let handler = Steps::default();
+        handler.stall("full");
+        let messages: Vec<_> = (1..=6)
+            .flat_map(|n| [steps::step("full", n), steps::step("other", n)])
+            .collect();
+        env.publish_keyed(&messages).await?;
+        let mut config = env.worker_config(Mode::Batch, GROUP);
+        config.parked_bounds = ParkedBounds {
+            events_per_key: 3,
+            keys: 10,
+        };
+        let worker = Running::start(config, handler.clone());
+        wait_for(
+            "the other order done, the full one holding three events and waiting",
+            Duration::from_secs(30),
+            || async {
+                Ok(steps_of(&env, "other").await? == [1, 2, 3, 4, 5, 6]
+                    && parked_events(&env).await? == 3
+                    && worker.stats.snapshot().parked_bound_waits >= 2)
+            },
+        )
+        .await?;
+        // The head waits for its next attempt with steps 2 and 3 behind
+        // it; 4 to 6 wait in the worker, unacked: nothing more is parked.
+        assert_eq!(parked_events(&env).await?, 3);
+        assert_eq!(steps_of(&env, "full").await?, Vec::<i32>::new());
+        handler.fix("full");
+        wait_for(
+            "the full order in order",
+            Duration::from_secs(30),
+            || async { Ok(steps_of(&env, "full").await? == [1, 2, 3, 4, 5, 6]) },
+        )
+        .await?;
+        wait_for("no key parked", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+        Ok(())
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_bound_of_keys_a_failed_head_waits_unacked_and_its_key_keeps_its_order()
+-> anyhow::Result<()> {
+    let mut topology = steps::topology(1, &[Duration::from_secs(2)]);
+    topology.retry = topology.retry.with_attempts(15);
+    with_env::<Steps, _, _>(topology, |env| async move {
+        let handler = Steps::default();
+        handler.stall("first");
+        handler.stall("second");
+        let mut config = env.worker_config(Mode::PerMessage, GROUP);
+        config.parked_bounds = ParkedBounds {
+            events_per_key: 100,
+            keys: 1,
+        };
+        let worker = Running::start(config, handler.clone());
+        env.publish_keyed(&[steps::step("first", 1), steps::step("first", 2)])
+            .await?;
+        wait_for(
+            "the first order parked",
+            Duration::from_secs(30),
+            || async {
+                Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 1
+                    && parked_events(&env).await? == 2)
+            },
+        )
+        .await?;
+        env.publish_keyed(&[steps::step("second", 1), steps::step("second", 2)])
+            .await?;
+        wait_for(
+            "the second order's head waiting in the worker",
+            Duration::from_secs(30),
+            || async { Ok(worker.stats.snapshot().parked_bound_waits >= 2) },
+        )
+        .await?;
+        assert_eq!(
+            env.number("SELECT count(*) FROM mq_parked_key").await?,
+            1,
+            "one key parked, as the bound allows"
+        );
+        wait_for("the gauges to say so", Duration::from_secs(30), || async {
+            let metrics = worker.stats.encode();
+            let gauge = |name: &str| {
+                metrics
+                    .lines()
+                    .find(|line| line.starts_with(&format!("{name}{{")))
+                    .and_then(|line| line.rsplit(' ').next())
+                    .map(str::to_owned)
+            };
+            Ok(gauge("idem_parked_keys").as_deref() == Some("1")
+                && gauge("idem_parked_events").as_deref() == Some("2"))
+        })
+        .await?;
+        handler.fix("second");
+        handler.fix("first");
+        wait_for("both orders in order", Duration::from_secs(30), || async {
+            Ok(steps_of(&env, "first").await? == [1, 2]
+                && steps_of(&env, "second").await? == [1, 2])
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+        Ok(())
+    })
+    .await
 }

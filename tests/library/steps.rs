@@ -58,6 +58,9 @@ pub struct Steps {
     pub blocked: Arc<Mutex<Vec<String>>>,
     /// Orders that fail this many more attempts, then apply.
     pub heal: Arc<Mutex<HashMap<String, u32>>>,
+    /// Orders that fail every attempt, as a message failure (retried),
+    /// until they are fixed.
+    pub stalled: Arc<Mutex<Vec<String>>>,
 }
 
 impl Steps {
@@ -73,6 +76,19 @@ impl Steps {
         blocked.retain(|blocked| blocked != order);
     }
 
+    /// `order` fails every attempt from now on, as a message failure that
+    /// is retried, until [`Steps::fix`].
+    pub fn stall(&self, order: &str) {
+        let mut stalled = self.stalled.lock().unwrap_or_else(PoisonError::into_inner);
+        stalled.push(order.to_owned());
+    }
+
+    /// `order` applies again after [`Steps::stall`].
+    pub fn fix(&self, order: &str) {
+        let mut stalled = self.stalled.lock().unwrap_or_else(PoisonError::into_inner);
+        stalled.retain(|stalled| stalled != order);
+    }
+
     /// `order` fails its next `attempts` attempts, then applies.
     pub fn heal_after(&self, order: &str, attempts: u32) {
         let mut heal = self.heal.lock().unwrap_or_else(PoisonError::into_inner);
@@ -86,6 +102,11 @@ impl Steps {
 
     /// Whether `order` fails this attempt, counting it.
     fn not_ready(&self, order: &str) -> bool {
+        let stalled = self.stalled.lock().unwrap_or_else(PoisonError::into_inner);
+        if stalled.iter().any(|stalled| stalled == order) {
+            return true;
+        }
+        drop(stalled);
         let mut heal = self.heal.lock().unwrap_or_else(PoisonError::into_inner);
         match heal.get_mut(order) {
             Some(left) if *left > 0 => {

@@ -24,7 +24,7 @@ use crate::relay::RelayConfig;
 use crate::store::DatabaseConfig;
 use crate::target::Target;
 use crate::vars;
-use crate::worker::{EpochSettings, Mode, WorkerConfig};
+use crate::worker::{EpochSettings, Mode, ParkedBounds, WorkerConfig};
 
 /// `migrate`.
 #[derive(Debug, Args)]
@@ -69,6 +69,12 @@ pub(crate) struct WorkerArgs<F: Args> {
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
     #[arg(long, env = vars::MAX_BODY_BYTES, default_value_t = WorkerConfig::DEFAULT_MAX_BODY_BYTES)]
     pub(crate) max_body_bytes: usize,
+    /// On an ordered queue, most events one parked key holds in PostgreSQL; past it the key's next events wait in the worker, unacked.
+    #[arg(long, env = vars::MAX_PARKED_PER_KEY, default_value_t = ParkedBounds::DEFAULT_EVENTS_PER_KEY, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) max_parked_per_key: u32,
+    /// On an ordered queue, most keys parked; past it a failed head waits in the worker, unacked, with its batch.
+    #[arg(long, env = vars::MAX_PARKED_KEYS, default_value_t = ParkedBounds::DEFAULT_KEYS, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) max_parked_keys: u32,
     /// Most bytes of a dead letter's body the dead-letter index keeps, for
     /// the console to show (0: only its size and SHA-256).
     #[arg(long, env = vars::KEPT_BODY_BYTES, default_value_t = crate::store::dead_letters::KEPT_BODY_BYTES)]
@@ -373,6 +379,10 @@ impl<F: Args> WorkerArgs<F> {
             http_addr: self.http_addr,
             summary_interval: self.summary_interval.0,
             relay: !self.no_relay,
+            parked_bounds: ParkedBounds {
+                events_per_key: self.max_parked_per_key,
+                keys: self.max_parked_keys,
+            },
             epochs: EpochSettings {
                 max_records: (self.epoch_records > 0).then_some(self.epoch_records),
                 filter_memory: self.filter_memory_mib.saturating_mul(1 << 20),
