@@ -304,6 +304,12 @@ pub(crate) struct BenchArgs {
     /// deliveries or 5 ms).
     #[arg(long)]
     pub(crate) no_contenders: bool,
+    /// Beside each of idem's modes, the same load on a queue ordered per
+    /// order over this many slots, and in batch mode once more with one
+    /// order poisoned (its first event fails every attempt): the cost of
+    /// order, and of a parked key to every other key.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub(crate) ordered: Option<u16>,
     /// What to measure.
     #[arg(
         long,
@@ -509,6 +515,7 @@ impl BenchArgs {
                 prefetch: self.peer_prefetch.unwrap_or(self.prefetch),
             },
             modes: self.modes.clone(),
+            ordered: self.ordered,
             worker_binary,
             baseline_binary: self.baseline.clone(),
         })

@@ -96,6 +96,11 @@ pub struct BenchConfig {
     pub contenders: bool,
     /// The batched contender's settings.
     pub peer: BatchedPeer,
+    /// Beside each of idem's modes, the same load on a queue ordered per
+    /// order over this many slots (each event's key in its header), and in
+    /// batch mode once more with one key poisoned: its first event fails
+    /// every attempt, so its key is parked while every other key flows.
+    pub ordered: Option<u16>,
     /// The idem binary to run as the worker.
     pub worker_binary: PathBuf,
     /// Another build of idem to measure beside it, in the same rounds.
@@ -202,6 +207,9 @@ pub(super) const PER_MESSAGE: &str = "2 per-message";
 pub(super) const PER_MESSAGE_BASELINE: &str = "2 per-message, baseline build";
 pub(super) const BATCH: &str = "3 batch";
 pub(super) const BATCH_BASELINE: &str = "3 batch, baseline build";
+pub(super) const PER_MESSAGE_ORDERED: &str = "2 per-message, ordered per key";
+pub(super) const BATCH_ORDERED: &str = "3 batch, ordered per key";
+pub(super) const BATCH_POISONED: &str = "3 batch, ordered, one key poisoned";
 pub(super) const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
 pub(super) const BATCH_OUTBOX_BASELINE: &str = "4 batch, outbox on, baseline build";
 pub(super) const PUBLISHED_ALONE: &str = "5 credits published alone, per credit";
@@ -260,6 +268,9 @@ pub(super) struct Run {
     pub(super) outbox: bool,
     /// Half-way through, the oldest of this many prefilled days is removed.
     pub(super) removal: Option<usize>,
+    /// The poisoned key's events fail ([`Bench::poison`]): the run is done
+    /// once every other key's are applied and its later ones parked.
+    pub(super) poisoned: bool,
 }
 
 /// The records of each prefilled epoch, oldest first, the last one current:

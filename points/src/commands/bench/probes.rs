@@ -83,6 +83,15 @@ impl QueueProbe {
         Ok(ready_messages(&self.channel, queue).await?)
     }
 
+    /// Messages ready in all of `queues` (an ordered queue's slots).
+    pub(super) async fn ready_in(&self, queues: &[String]) -> anyhow::Result<u32> {
+        let mut ready = 0;
+        for queue in queues {
+            ready += self.ready(queue).await?;
+        }
+        Ok(ready)
+    }
+
     pub(super) async fn close(self) {
         close_channel(&self.channel).await;
         close(&self.connection).await;

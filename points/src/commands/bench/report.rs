@@ -140,6 +140,19 @@ impl fmt::Display for BenchReport {
         if let Some(times) = ratio(&rates(BATCH), &rates(PER_MESSAGE)) {
             writeln!(f, "batch / per-message: {times:.1} ×")?;
         }
+        for (ordered, unordered) in [(PER_MESSAGE_ORDERED, PER_MESSAGE), (BATCH_ORDERED, BATCH)] {
+            if let Some(times) = ratio(&rates(ordered), &rates(unordered)) {
+                writeln!(f, "{} / unordered: {times:.2} ×", label(ordered))?;
+            }
+        }
+        if let Some(times) = ratio(&rates(BATCH_POISONED), &rates(BATCH_ORDERED)) {
+            writeln!(
+                f,
+                "batch, ordered: every other key's throughput with one key poisoned / none: {times:.3} × \
+                 (a cost of {:.1} %)",
+                (1.0 - times) * 100.0
+            )?;
+        }
         if let Some(times) = ratio(&rates(BATCH_OUTBOX), &rates(BATCH)) {
             writeln!(f, "batch, outbox on / off: {times:.2} ×")?;
         }
@@ -288,6 +301,13 @@ impl fmt::Display for BenchReport {
         write!(
             f,
             "rounds: {rounds}; every run checked: exact totals, one record per event, nothing dead-lettered"
-        )
+        )?;
+        if self.runs(BATCH_POISONED).is_some() {
+            write!(
+                f,
+                " (with one key poisoned: every other key so, the poisoned one parked, none of its events applied)"
+            )?;
+        }
+        Ok(())
     }
 }

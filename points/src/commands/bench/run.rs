@@ -21,7 +21,7 @@ impl Bench<'_> {
         if config.uuid_ids {
             generate::with_uuid_ids(&mut load, 42);
         }
-        let bodies: Vec<Vec<u8>> = load.iter().map(PaymentSucceeded::to_body).collect();
+        let ordered = bench.ordered();
         let mut report = BenchReport {
             settings: format!(
                 "{} messages ({:.0}% duplicates, {} orders, {} event ids), {} consume records before each worker run, quorum queue, prefetch {}; batch mode: {} per batch, {:?} wait, {} in flight; per-message mode: {} in flight; the batched peer: {} per batch or 5ms, {} in flight, prefetch {}",
@@ -50,10 +50,16 @@ impl Bench<'_> {
             ),
             ..BenchReport::default()
         };
+        if let Some(slots) = config.ordered {
+            report.settings.push_str(&format!(
+                "; ordered runs: {slots} slots, keyed by order; the poisoned order: {}",
+                Bench::poisoned_key(&load)
+            ));
+        }
         for round in 1..=config.rounds {
             eprintln!("round {round} of {}", config.rounds);
             bench.reset().await?;
-            bench.publish(&bodies).await?;
+            bench.publish(&load).await?;
             settle_down().await;
             if config.modes.contains(&Mode::Ceiling) {
                 let ceiling = bench.ceiling(config.messages).await?;
@@ -81,13 +87,14 @@ impl Bench<'_> {
                         for &removal in removals {
                             bench.reset().await?;
                             let floor = bench.prefill(prefill).await?;
-                            bench.publish(&bodies).await?;
+                            bench.publish(&load).await?;
                             settle_down().await;
                             let run = Run {
                                 records: IDEM_RECORDS,
                                 floor,
                                 outbox: false,
                                 removal: removal.then(|| bench.layout(prefill).len()),
+                                poisoned: false,
                             };
                             let measured = bench.worker(binary, &args, &load, run).await?;
                             let mut key = over(key, prefill);
@@ -97,6 +104,26 @@ impl Bench<'_> {
                             eprintln!("  {:<30} {:>9.0} msgs/s", label(&key), measured.rate);
                             report.push(key, measured);
                         }
+                    }
+                }
+                if let Some(ordered) = &ordered {
+                    let runs: &[(&str, bool)] = match wanted {
+                        Mode::PerMessage => &[(PER_MESSAGE_ORDERED, false)],
+                        _ => &[(BATCH_ORDERED, false), (BATCH_POISONED, true)],
+                    };
+                    for &(key, poisoned) in runs {
+                        let run = Run {
+                            records: IDEM_RECORDS,
+                            floor: 0,
+                            outbox: false,
+                            removal: None,
+                            poisoned,
+                        };
+                        let measured = ordered
+                            .run_afresh(&config.worker_binary, &load, &args, run)
+                            .await?;
+                        eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
+                        report.push(key.to_owned(), measured);
                     }
                 }
                 if config.contenders {
@@ -109,9 +136,10 @@ impl Bench<'_> {
                         floor: 0,
                         outbox: false,
                         removal: None,
+                        poisoned: false,
                     };
                     let measured = bench
-                        .run_afresh(&config.worker_binary, &bodies, &load, &args, run)
+                        .run_afresh(&config.worker_binary, &load, &args, run)
                         .await?;
                     eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
                     report.push(key.to_owned(), measured);
@@ -126,8 +154,9 @@ impl Bench<'_> {
                         floor: 0,
                         outbox: true,
                         removal: None,
+                        poisoned: false,
                     };
-                    let measured = bench.run_afresh(binary, &bodies, &load, &args, run).await?;
+                    let measured = bench.run_afresh(binary, &load, &args, run).await?;
                     eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
                     report.push(key.to_owned(), measured);
                 }
@@ -167,6 +196,7 @@ impl Bench<'_> {
 }
 
 /// The bench's own schema and topology.
+#[derive(Clone)]
 pub(super) struct Bench<'a> {
     pub(super) config: &'a BenchConfig,
     pub(super) schema: String,
@@ -183,11 +213,68 @@ impl<'a> Bench<'a> {
         let pool = database.pool()?;
         Ok(Self {
             config,
-            topology: points::topology().prefixed(&format!("idem-bench-{}.", std::process::id())),
+            topology: Self::topologies(config, std::process::id())[0].clone(),
             schema,
             database,
             pool,
         })
+    }
+
+    /// The topologies of the bench process `pid`: its unordered one, then,
+    /// with `--ordered`, its ordered one.
+    fn topologies(config: &BenchConfig, pid: u32) -> Vec<Topology> {
+        let unordered = points::topology().prefixed(&format!("idem-bench-{pid}."));
+        let ordered = config.ordered.map(|slots| {
+            points::topology()
+                .prefixed(&format!("idem-bench-{pid}-ordered."))
+                .ordered(slots)
+        });
+        std::iter::once(unordered).chain(ordered).collect()
+    }
+
+    /// The same bench on its ordered topology, with `--ordered`.
+    pub(super) fn ordered(&self) -> Option<Self> {
+        let topology = Self::topologies(self.config, std::process::id())
+            .get(1)?
+            .clone();
+        Some(Self {
+            topology,
+            ..self.clone()
+        })
+    }
+
+    /// The order whose events fail in a poisoned run: the first event's,
+    /// so that its head fails before any of its later events come.
+    pub(super) fn poisoned_key(load: &[PaymentSucceeded]) -> &str {
+        load.first().map_or("", |event| event.order_id.as_str())
+    }
+
+    /// A trigger on the points that fails every credit of the poisoned
+    /// key ([`Bench::poisoned_key`]) when `poisoned`, else of no key: the
+    /// same trigger in every ordered run, so that only the failing differs.
+    pub(super) async fn poison(
+        &self,
+        load: &[PaymentSucceeded],
+        poisoned: bool,
+    ) -> anyhow::Result<()> {
+        let key = if poisoned {
+            Self::poisoned_key(load)
+        } else {
+            "no order at all"
+        };
+        let key = key.replace('\'', "''");
+        self.pool
+            .get()
+            .await?
+            .batch_execute(&format!(
+                "CREATE FUNCTION bench_poisoned() RETURNS trigger LANGUAGE plpgsql AS \
+                 $$ BEGIN RAISE EXCEPTION 'order % is poisoned (idem bench)', NEW.order_id; END $$; \
+                 CREATE TRIGGER bench_poisoned BEFORE INSERT OR UPDATE ON user_points \
+                 FOR EACH ROW WHEN (NEW.order_id = '{key}') EXECUTE FUNCTION bench_poisoned()"
+            ))
+            .await
+            .context("installing the poisoned key's trigger")?;
+        Ok(())
     }
 
     /// The current epoch of the bench's schema.
@@ -239,7 +326,13 @@ impl<'a> Bench<'a> {
     }
 
     pub(super) async fn remove(&self) -> anyhow::Result<()> {
-        Self::remove_objects(self.config, &self.pool, &self.schema, &self.topology).await
+        Self::remove_objects(
+            self.config,
+            &self.pool,
+            &self.schema,
+            &Self::topologies(self.config, std::process::id()),
+        )
+        .await
     }
 
     /// Removes the schema and topology of earlier bench processes that died
@@ -267,9 +360,12 @@ impl<'a> Bench<'a> {
             if std::path::Path::new(&format!("/proc/{pid}")).exists() {
                 continue;
             }
-            let topology = points::topology().prefixed(&format!("idem-bench-{pid}."));
+            let Ok(pid) = pid.parse() else {
+                continue;
+            };
+            let topologies = Self::topologies(self.config, pid);
             if let Err(error) =
-                Self::remove_objects(self.config, &self.pool, &schema, &topology).await
+                Self::remove_objects(self.config, &self.pool, &schema, &topologies).await
             {
                 eprintln!("could not remove the leftovers of bench {pid}: {error:#}");
             }
@@ -280,7 +376,7 @@ impl<'a> Bench<'a> {
         config: &BenchConfig,
         pool: &Pool,
         schema: &str,
-        topology: &Topology,
+        topologies: &[Topology],
     ) -> anyhow::Result<()> {
         let client = pool.get().await.context("cannot reach PostgreSQL")?;
         client
@@ -288,22 +384,34 @@ impl<'a> Bench<'a> {
             .await?;
         let connection = connect(&config.amqp, "idem bench").await?;
         let channel = connection.create_channel().await?;
-        topology.delete(&channel).await?;
-        channel
-            .queue_delete(
-                credited_queue(topology).as_str().into(),
-                QueueDeleteOptions::default(),
-            )
-            .await?;
+        for topology in topologies {
+            topology.delete(&channel).await?;
+            channel
+                .queue_delete(
+                    credited_queue(topology).as_str().into(),
+                    QueueDeleteOptions::default(),
+                )
+                .await?;
+        }
         channel.close(200, "OK".into()).await?;
         connection.close(200, "OK".into()).await?;
         Ok(())
     }
 
-    pub(super) async fn publish(&self, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
-        let messages: Vec<Outgoing> = bodies
+    /// Publishes the load, each event with its order as its ordering key
+    /// when the queue is ordered.
+    pub(super) async fn publish(&self, load: &[PaymentSucceeded]) -> anyhow::Result<()> {
+        let ordered = self.topology.is_ordered();
+        let messages: Vec<Outgoing> = load
             .iter()
-            .map(|body| self.topology.event(body.clone()))
+            .map(|event| {
+                let message = self.topology.event(event.to_body());
+                if ordered {
+                    message.with_ordering_key(&event.order_id)
+                } else {
+                    message
+                }
+            })
             .collect();
         self.publish_confirmed(&messages, 2000, "the load").await
     }
@@ -461,13 +569,15 @@ impl<'a> Bench<'a> {
     pub(super) async fn run_afresh(
         &self,
         binary: &std::path::Path,
-        bodies: &[Vec<u8>],
         load: &[PaymentSucceeded],
         args: &[String],
         run: Run,
     ) -> anyhow::Result<Measurement> {
         self.reset().await?;
-        self.publish(bodies).await?;
+        if self.topology.is_ordered() {
+            self.poison(load, run.poisoned).await?;
+        }
+        self.publish(load).await?;
         settle_down().await;
         self.worker(binary, args, load, run).await
     }
@@ -657,6 +767,7 @@ impl<'a> Bench<'a> {
             floor,
             outbox,
             removal,
+            poisoned,
         } = run;
         let mut removing = None;
         let client = self.pool.get().await?;
@@ -682,7 +793,8 @@ impl<'a> Bench<'a> {
             .spawn()
             .context("cannot start the worker")?;
         let pid = child.id().context("the worker exited at once")?;
-        let distinct = generate::distinct_events(load) as i64;
+        let poison = Poison::of(load, poisoned);
+        let distinct = generate::distinct_events(load) as i64 - poison.distinct;
         let probe = QueueProbe::open(&self.config.amqp).await?;
         // No deadline for the whole load, which a slow machine stretches
         // without end; only for a stall: nothing taken, nothing recorded.
@@ -696,7 +808,7 @@ impl<'a> Bench<'a> {
         loop {
             // The broker first: counting records scans the table, which
             // would load the database under measurement.
-            let ready = probe.ready(&self.topology.queue).await?;
+            let ready = probe.ready_in(&self.topology.consumed_queues()).await?;
             if let Some(epochs) = removal
                 && removing.is_none()
                 && (ready as usize) < load.len() / 2
@@ -716,7 +828,7 @@ impl<'a> Bench<'a> {
                         .await?
                         .try_get(0)?
                 };
-                all_recorded = recorded >= distinct;
+                all_recorded = recorded >= distinct && poison.all_parked(&client).await?;
                 if all_recorded && (!outbox || idem::store::outbox::unsent(&client).await? == 0) {
                     // A relay removes what it sent: the last is sent by now
                     // (within the 50 ms between two looks).
@@ -790,8 +902,9 @@ impl<'a> Bench<'a> {
             )
             .await?
             .try_get(0)?;
-        self.verify(load, table, floor).await?;
-        let messages = load.len() as f64;
+        self.verify(load, table, floor, &poison).await?;
+        // The poisoned key's messages wait, and count for nothing.
+        let messages = (load.len() - poison.messages) as f64;
         let wal_bytes = match (&wal_before, lsn_after) {
             (Some(before), Some(after)) => client
                 .query_one(
@@ -819,12 +932,15 @@ impl<'a> Bench<'a> {
     }
 
     /// Every order at its exact total, one record per distinct event (above
-    /// `floor`, the prefilled ones), nothing dead-lettered.
+    /// `floor`, the prefilled ones), nothing dead-lettered; with a poisoned
+    /// key, every other key so, and the poisoned one parked, none of its
+    /// events applied, at most its head dead-lettered.
     pub(super) async fn verify(
         &self,
         load: &[PaymentSucceeded],
         table: &str,
         floor: i64,
+        poison: &Poison,
     ) -> anyhow::Result<()> {
         let client = self.pool.get().await?;
         let points: BTreeMap<String, i64> = client
@@ -833,10 +949,21 @@ impl<'a> Bench<'a> {
             .iter()
             .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
             .collect::<Result<_, tokio_postgres::Error>>()?;
-        ensure!(
-            points == generate::expected_points(load),
-            "per-order totals are wrong"
-        );
+        let mut expected = generate::expected_points(load);
+        if let Some(key) = &poison.key {
+            expected.remove(key);
+            let parked: Vec<String> = client
+                .query("SELECT ordering_key FROM mq_parked_key", &[])
+                .await?
+                .iter()
+                .map(|row| row.try_get(0))
+                .collect::<Result<_, _>>()?;
+            ensure!(
+                parked == [key.clone()],
+                "parked keys {parked:?}, expected only {key}"
+            );
+        }
+        ensure!(points == expected, "per-order totals are wrong");
         let (records, events): (i64, i64) = {
             let row = client
                 .query_one(
@@ -848,7 +975,7 @@ impl<'a> Bench<'a> {
                 .await?;
             (row.try_get(0)?, row.try_get(1)?)
         };
-        let distinct = generate::distinct_events(load) as i64;
+        let distinct = generate::distinct_events(load) as i64 - poison.distinct;
         ensure!(
             records == distinct && events == distinct,
             "{records} records for {distinct} events"
@@ -857,7 +984,8 @@ impl<'a> Bench<'a> {
         let dead = probe.ready(&self.topology.dead_letter_queue).await;
         probe.close().await;
         let dead = dead?;
-        ensure!(dead == 0, "{dead} messages were dead-lettered");
+        let head = u32::from(poison.key.is_some());
+        ensure!(dead <= head, "{dead} messages were dead-lettered");
         Ok(())
     }
 
@@ -910,5 +1038,55 @@ impl<'a> Bench<'a> {
             .context("no transaction count in pgbench's output")?;
         let (postgres_us, _) = after.per_message(&before, transactions);
         Ok(Pgbench { tps, postgres_us })
+    }
+}
+
+/// The poisoned key of a run, if any: its events, and how to tell that
+/// every one but its head is parked.
+#[derive(Debug, Default)]
+pub(super) struct Poison {
+    /// The key.
+    pub(super) key: Option<String>,
+    /// Its distinct events.
+    pub(super) distinct: i64,
+    /// Its messages, duplicates included.
+    pub(super) messages: usize,
+}
+
+impl Poison {
+    pub(super) fn of(load: &[PaymentSucceeded], poisoned: bool) -> Self {
+        if !poisoned {
+            return Self::default();
+        }
+        let key = Bench::poisoned_key(load);
+        let events: Vec<PaymentSucceeded> = load
+            .iter()
+            .filter(|event| event.order_id == key)
+            .cloned()
+            .collect();
+        Self {
+            key: Some(key.to_owned()),
+            distinct: generate::distinct_events(&events) as i64,
+            messages: events.len(),
+        }
+    }
+
+    /// Whether every event of the key but its head is parked (the head
+    /// too, while it waits for its next attempt).
+    pub(super) async fn all_parked(
+        &self,
+        client: &deadpool_postgres::Client,
+    ) -> anyhow::Result<bool> {
+        let Some(key) = &self.key else {
+            return Ok(true);
+        };
+        let parked: i64 = client
+            .query_one(
+                "SELECT count(*) FROM mq_parked_event WHERE ordering_key = $1",
+                &[key],
+            )
+            .await?
+            .try_get(0)?;
+        Ok(parked >= self.distinct - 1)
     }
 }
