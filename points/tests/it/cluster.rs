@@ -473,3 +473,145 @@ async fn stopping_the_dead_letter_queues_node_under_load_loses_and_doubles_nothi
 -> anyhow::Result<()> {
     a_node_lost_under_load(Fault::StopDeadLetterQueueLeader).await
 }
+
+/// Each order's events, in the order their transactions started (the
+/// consume record's `consumed_at`, the transaction's `now()`): the order
+/// they applied, since a key's next transaction starts once the one
+/// before has committed. A tie would leave the order unknown, and fails.
+async fn applied_in_order(env: &TestEnv) -> anyhow::Result<BTreeMap<String, Vec<String>>> {
+    let client = env.pool.get().await?;
+    let ties: i64 = client
+        .query_one(
+            "SELECT count(*) FROM (SELECT split_part(event_id, '-e', 1), consumed_at \
+             FROM mq_consume_record WHERE consumer_group = $1 GROUP BY 1, 2 \
+             HAVING count(*) > 1) AS tied",
+            &[&GROUP],
+        )
+        .await?
+        .get(0);
+    anyhow::ensure!(
+        ties == 0,
+        "{ties} pairs of one order's events applied at once"
+    );
+    let rows = client
+        .query(
+            "SELECT event_id FROM mq_consume_record WHERE consumer_group = $1 \
+             ORDER BY consumed_at",
+            &[&GROUP],
+        )
+        .await?;
+    let mut applied: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for row in rows {
+        let event_id: String = row.get(0);
+        let (order, _) = event_id
+            .rsplit_once("-e")
+            .with_context(|| format!("not an event of the load: {event_id}"))?;
+        applied.entry(order.to_owned()).or_default().push(event_id);
+    }
+    Ok(applied)
+}
+
+/// The slots a worker holds, on its metrics page.
+async fn slots_held(worker: &Observed) -> anyhow::Result<Option<f64>> {
+    let Ok((200, page)) = http_get(worker.port, "/metrics").await else {
+        return Ok(None);
+    };
+    Ok(sample(&page, "idem_slots", &[]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a 3-node cluster: IDEM_TEST_CLUSTER, see docs/guide/development.md"]
+async fn ordered_keys_keep_their_order_through_two_sigkills_and_a_node_stopped()
+-> anyhow::Result<()> {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let cluster = Cluster::from_env()?;
+    cluster.run("up", &[])?;
+    let _back = NodesBack(&cluster);
+    let env = TestEnv::ordered_on_broker(Cluster::urls_from("ra"), 8).await?;
+    // Four workers, near each node in turn: each takes two slots.
+    let mut workers: Vec<Observed> = ["ra", "rb", "rc", "ra"]
+        .iter()
+        .map(|near| Observed::spawn(&env, near))
+        .collect::<anyhow::Result<_>>()?;
+    wait_for(
+        "each worker on two slots",
+        Duration::from_secs(90),
+        || async {
+            for worker in &workers {
+                if slots_held(worker).await? != Some(2.0) {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        },
+    )
+    .await?;
+
+    // 500 orders, four events each, published event by event: every
+    // order's first, then every order's second, …
+    let (orders, steps) = (500, 4);
+    let order = |o: usize| format!("{}-o{o}", env.name);
+    let messages: Vec<idem::broker::Outgoing> = (1..=steps)
+        .flat_map(|step| (0..orders).map(move |o| (o, step)))
+        .map(|(o, step)| {
+            let event = PaymentSucceeded {
+                event_id: format!("{}-e{step}", order(o)),
+                order_id: order(o),
+                points: step as i64,
+            };
+            env.topology
+                .event(event.to_body())
+                .with_ordering_key(&event.order_id)
+        })
+        .collect();
+    let total = (orders * steps) as i64;
+    // All of it published before the faults: a publish retried after a
+    // node went would follow the key's later events, the producer's order
+    // broken before idem sees it.
+    let amqp =
+        idem::broker::AmqpConfig::new(idem::secret::SecretUrl::new(Cluster::urls_from("rc")));
+    crate::support::publish_messages(&amqp, &messages).await?;
+    wait_for(
+        "the first events applied",
+        Duration::from_secs(120),
+        || async { Ok(env.records(GROUP).await? > 0) },
+    )
+    .await?;
+    // Two workers die with events in flight, and a node goes while the
+    // other two take their slots.
+    workers[0].process.kill().await?;
+    workers[1].process.kill().await?;
+    cluster.on_node("stop", "rb").await??;
+    wait_for("every event applied", Duration::from_secs(300), || async {
+        Ok(env.records(GROUP).await? >= total)
+    })
+    .await?;
+    for worker in workers.drain(2..) {
+        worker.process.stop().await?;
+    }
+
+    assert_eq!(
+        env.doubly_recorded(GROUP).await?,
+        0,
+        "an event applied twice"
+    );
+    assert_eq!(env.records(GROUP).await?, total);
+    let applied = applied_in_order(&env).await?;
+    assert_eq!(applied.len(), orders);
+    let out_of_order: Vec<_> = applied
+        .iter()
+        .filter(|(order, events)| {
+            let sent: Vec<String> = (1..=steps).map(|step| format!("{order}-e{step}")).collect();
+            **events != sent
+        })
+        .collect();
+    assert!(
+        out_of_order.is_empty(),
+        "{} orders applied out of order, first {:?}",
+        out_of_order.len(),
+        out_of_order.first()
+    );
+    assert_eq!(env.count_rows("mq_parked_key").await?, 0);
+    assert_eq!(env.ready(&env.topology.dead_letter_queue).await?, 0);
+    Ok(())
+}

@@ -47,13 +47,19 @@ impl TestEnv {
     /// As [`TestEnv::new`], on the PostgreSQL server at `database_url` (a
     /// server of the test's own, which takes the schema with it).
     pub async fn on_database_server(database_url: String) -> anyhow::Result<Self> {
-        Self::create_at(database_url, None, amqp_url()).await
+        Self::create_at(database_url, None, amqp_url(), 0).await
     }
 
     /// As [`TestEnv::new`], on the broker (or cluster: one URL per node,
     /// separated by commas) at `amqp_url`.
     pub async fn on_broker(amqp_url: String) -> anyhow::Result<Self> {
         Self::create(None, amqp_url).await
+    }
+
+    /// As [`TestEnv::on_broker`], the work queue ordered per order over
+    /// `slots` slots.
+    pub async fn ordered_on_broker(amqp_url: String, slots: u16) -> anyhow::Result<Self> {
+        Self::create_at(database_url(), None, amqp_url, slots).await
     }
 
     /// As [`TestEnv::new`], in a database of the test's own: for tests that
@@ -73,13 +79,14 @@ impl TestEnv {
             Some(database) => database_url_in(database),
             None => database_url(),
         };
-        Self::create_at(url, own_database, amqp_url).await
+        Self::create_at(url, own_database, amqp_url, 0).await
     }
 
     async fn create_at(
         url: String,
         own_database: Option<String>,
         amqp_url: String,
+        slots: u16,
     ) -> anyhow::Result<Self> {
         sweep_leftovers_once();
         let name = unique_name();
@@ -90,7 +97,9 @@ impl TestEnv {
         migrate::run::<idem_points::points::Points>(&pool, Some(&schema)).await?;
         let topology = Topology {
             retry: idem::RetryPolicy::default().with_delays(TEST_RETRY_DELAYS.to_vec()),
-            ..idem_points::points::topology().prefixed(&format!("{}.", name.replace('_', "-")))
+            ..idem_points::points::topology()
+                .prefixed(&format!("{}.", name.replace('_', "-")))
+                .ordered(slots)
         };
         let amqp = AmqpConfig::new(SecretUrl::new(amqp_url));
         let env = Self {
@@ -476,7 +485,10 @@ impl Drop for TestEnv {
                 .map(|q| q.clone())
                 .unwrap_or_default(),
         );
-        let exchanges = self.topology.exchanges().map(str::to_owned).to_vec();
+        let mut exchanges = self.topology.exchanges().map(str::to_owned).to_vec();
+        if self.topology.is_ordered() {
+            exchanges.push(self.topology.slots_exchange());
+        }
         // A database of the test's own goes with its schema in it.
         let (schemas, databases) = match &self.own_database {
             Some(database) => (vec![], vec![database.clone()]),
