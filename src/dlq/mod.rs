@@ -389,7 +389,17 @@ async fn summary_of<H: Handler>(
         config.target.consumer_group.clone(),
     );
     let summary = store.dead_letter_summary(&config.filter).await?;
-    Ok(IndexedSummary { state, summary })
+    // A schema before order per key, or none parked: nothing to say.
+    let parked = store
+        .parked_totals()
+        .await
+        .ok()
+        .filter(|parked| parked.keys > 0);
+    Ok(IndexedSummary {
+        state,
+        summary,
+        parked,
+    })
 }
 
 /// The most last errors a summary lists, the commonest first: errors that
@@ -403,6 +413,9 @@ pub struct IndexedSummary {
     pub state: IndexState,
     /// The letters that match, counted.
     pub summary: IndexSummary,
+    /// On an ordered queue, the keys parked, when there are any: some of
+    /// them behind a letter of this queue.
+    pub parked: Option<crate::store::ParkedTotals>,
 }
 
 mod export;

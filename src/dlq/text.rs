@@ -10,7 +10,11 @@ use crate::duration::rfc3339;
 
 impl fmt::Display for IndexedSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let IndexedSummary { state, summary } = self;
+        let IndexedSummary {
+            state,
+            summary,
+            parked,
+        } = self;
         write!(
             f,
             "{} of {} dead-lettered message(s) in {} match",
@@ -75,7 +79,20 @@ impl fmt::Display for IndexedSummary {
             summary.applied,
             summary.invalid,
             crate::program::name()
-        )
+        )?;
+        if let Some(parked) = parked {
+            write!(
+                f,
+                "\n  parked keys: {} key(s) holding {} event(s), {} of them behind a letter \
+                 of this queue, whose replay applies it and then its key's events in order \
+                 (`{} parked list` names each key's head)",
+                parked.keys,
+                parked.events,
+                parked.dead_heads,
+                crate::program::name()
+            )?;
+        }
+        Ok(())
     }
 }
 

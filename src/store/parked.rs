@@ -77,6 +77,9 @@ pub struct ParkedTotals {
     pub events: i64,
     /// When the oldest was parked.
     pub oldest: Option<SystemTime>,
+    /// Keys whose head lies in the dead-letter queue: a replay of it
+    /// applies it, then the key's events.
+    pub dead_heads: i64,
 }
 
 const PARKED_AMONG: &str = "\
@@ -165,7 +168,8 @@ const LIST: &str = "\
 const TOTALS: &str = "\
     SELECT (SELECT count(*) FROM mq_parked_key WHERE consumer_group = $1), \
            (SELECT count(*) FROM mq_parked_event WHERE consumer_group = $1), \
-           (SELECT min(parked_at) FROM mq_parked_key WHERE consumer_group = $1)";
+           (SELECT min(parked_at) FROM mq_parked_key WHERE consumer_group = $1), \
+           (SELECT count(*) FROM mq_parked_key WHERE consumer_group = $1 AND head_dead)";
 
 const RELEASE: &str = "\
     UPDATE mq_parked_key SET head_dead = false, due_at = now() \
@@ -467,6 +471,7 @@ impl Store {
             keys: row.get(0),
             events: row.get(1),
             oldest: row.get(2),
+            dead_heads: row.get(3),
         })
     }
 

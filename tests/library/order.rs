@@ -480,12 +480,21 @@ async fn a_head_out_of_attempts_on_its_retry_is_dead_lettered_and_a_replay_keeps
             ))
             .await?;
         assert_eq!(indexed, 1, "the index holds the head with its failures");
+        let dlq = DlqConfig::new(env.worker_config(Mode::Batch, GROUP).target());
+        let summary = idem::dlq::summary::<Steps>(&dlq, &CancellationToken::new()).await?;
+        let parked = summary.parked.expect("the summary counts the parked keys");
+        assert_eq!((parked.keys, parked.events, parked.dead_heads), (1, 2, 1));
+        assert!(
+            summary
+                .to_string()
+                .contains("parked keys: 1 key(s) holding 2 event(s), 1 of them behind a letter"),
+            "{summary}"
+        );
 
         // Fixed and replayed, the letter goes back to its key's slot (its
         // ordering key kept through the parked copy) and applies before
         // the rest.
         handler.fix("late");
-        let dlq = DlqConfig::new(env.worker_config(Mode::Batch, GROUP).target());
         let replay = Action::Replay {
             rate: None,
             include_invalid: false,
