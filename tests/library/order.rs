@@ -49,6 +49,24 @@ async fn parked_events(env: &Env) -> anyhow::Result<i64> {
     env.number("SELECT count(*) FROM mq_parked_event").await
 }
 
+/// Waits until no key is parked any more.
+async fn no_key_parked(env: &Env) -> anyhow::Result<()> {
+    wait_for("no key parked", Duration::from_secs(30), || async {
+        Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
+    })
+    .await
+}
+
+/// Replays the dead letters `dlq` selects; how many it replayed.
+async fn replay(dlq: &DlqConfig) -> anyhow::Result<usize> {
+    let replay = Action::Replay {
+        rate: None,
+        include_invalid: false,
+    };
+    let report = idem::dlq::run(dlq, &replay, &Steps::default(), &CancellationToken::new()).await?;
+    Ok(report.replayed.len())
+}
+
 async fn a_key_s_events_apply_in_the_order_they_were_sent(mode: Mode) -> anyhow::Result<()> {
     with_env::<Steps, _, _>(steps::topology(8, &[]), move |env| async move {
         let (orders, steps) = (200, 5);
@@ -197,13 +215,7 @@ async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::R
         handler.unblock("poisoned");
         let mut dlq = DlqConfig::new(env.worker_config(Mode::Batch, GROUP).target());
         dlq.filter.event_id = Some(steps::step_id("poisoned", 2));
-        let replay = Action::Replay {
-            rate: None,
-            include_invalid: false,
-        };
-        let report =
-            idem::dlq::run(&dlq, &replay, &Steps::default(), &CancellationToken::new()).await?;
-        assert_eq!(report.replayed.len(), 1, "{report:?}");
+        assert_eq!(replay(&dlq).await?, 1, "one letter replayed");
         wait_for(
             "the poisoned order's steps in order",
             Duration::from_secs(30),
@@ -259,10 +271,7 @@ async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::R
             || async { Ok(steps_of(&env, "dropped").await? == [1, 3, 4]) },
         )
         .await?;
-        wait_for("no key parked", Duration::from_secs(30), || async {
-            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
-        })
-        .await?;
+        no_key_parked(&env).await?;
         let stats = worker.stop().await?;
         // The four later steps, and the replayed head, which went before them.
         assert_eq!(stats.parked, 5, "{stats:?}");
@@ -495,23 +504,14 @@ async fn a_head_out_of_attempts_on_its_retry_is_dead_lettered_and_a_replay_keeps
         // ordering key kept through the parked copy) and applies before
         // the rest.
         handler.fix("late");
-        let replay = Action::Replay {
-            rate: None,
-            include_invalid: false,
-        };
-        let report =
-            idem::dlq::run(&dlq, &replay, &Steps::default(), &CancellationToken::new()).await?;
-        assert_eq!(report.replayed.len(), 1, "{report:?}");
+        assert_eq!(replay(&dlq).await?, 1, "one letter replayed");
         wait_for(
             "the late order's steps in order",
             Duration::from_secs(30),
             || async { Ok(steps_of(&env, "late").await? == [1, 2, 3]) },
         )
         .await?;
-        wait_for("no key parked", Duration::from_secs(30), || async {
-            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
-        })
-        .await?;
+        no_key_parked(&env).await?;
         let stats = worker.stop().await?;
         assert_eq!(stats.dead_lettered, 1, "{stats:?}");
         Ok(())
@@ -559,10 +559,7 @@ async fn past_the_bound_of_events_per_key_the_next_events_wait_unacked_in_their_
             || async { Ok(steps_of(&env, "full").await? == [1, 2, 3, 4, 5, 6]) },
         )
         .await?;
-        wait_for("no key parked", Duration::from_secs(30), || async {
-            Ok(env.number("SELECT count(*) FROM mq_parked_key").await? == 0)
-        })
-        .await?;
+        no_key_parked(&env).await?;
         let stats = worker.stop().await?;
         assert_eq!(stats.dead_lettered, 0, "{stats:?}");
         Ok(())
