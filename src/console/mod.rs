@@ -37,6 +37,7 @@ use crate::target::{OpenError, Target};
 mod access;
 mod actions;
 mod pages;
+mod parked;
 mod view;
 
 pub use access::Token;
@@ -181,6 +182,8 @@ impl<H: Handler> Console<H> {
             .route("/groups/{id}", get(pages::group::<H>))
             .route("/letter", get(pages::letter::<H>))
             .route("/audit", get(pages::audit::<H>))
+            .route("/parked", get(parked::list::<H>).post(parked::act::<H>))
+            .route("/parked/preview", post(parked::preview::<H>))
             .route("/actions/{id}", get(actions::progress::<H>))
             .route("/actions/preview", post(actions::preview::<H>))
             .route("/actions", post(actions::start::<H>))

@@ -50,7 +50,7 @@ pub(super) async fn overview<H: Handler>(
             epochs,
             failing,
             index: totals,
-            parked: _,
+            parked,
         },
         hourly,
         now,
@@ -66,6 +66,13 @@ pub(super) async fn overview<H: Handler>(
             div.card { div.n { (failing.0) @if failing.1 { "+" } } "events failing now" }
             div.card { div.n { (records.0) } "consume records" div.muted { "oldest " (maybe_time(records.1)) } }
             div.card { div.n { (epochs.epochs) } "epochs" div.muted { (epochs.filtered) " closed with a filter" } }
+            @if parked.keys > 0 || console.inner.config.target.topology.is_ordered() {
+                div.card {
+                    div.n { a href="/parked" { (parked.keys) } }
+                    "parked keys"
+                    div.muted { (parked.events) " events held, " (parked.dead_heads) " behind a dead letter" }
+                }
+            }
         }
         h2 { "Queues" }
         @match &queues {

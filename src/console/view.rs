@@ -25,6 +25,7 @@ pub(super) fn layout(title: &str, acting: Option<&str>, body: Markup) -> Html<St
                         strong { "idem" }
                         a href="/" { "Overview" }
                         a href="/groups" { "Failure groups" }
+                        a href="/parked" { "Parked keys" }
                         a href="/audit" { "Audit" }
                         span.who {
                             @match acting {

@@ -345,6 +345,122 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so()
+-> anyhow::Result<()> {
+    let Some(browser) = Browser::start().await? else {
+        return Ok(());
+    };
+    // An ordered queue: the held order's first event dies at once, and its
+    // key is parked behind it with its two later events.
+    let env = TestEnv::ordered_on_broker(amqp_url(), 2).await?;
+    env.poison_order("held").await?;
+    let event = |order: &str, n: usize| PaymentSucceeded {
+        event_id: format!("{}-{order}-{n}", env.name),
+        order_id: order.to_owned(),
+        points: 1,
+    };
+    let messages: Vec<idem::broker::Outgoing> = [event("held", 1), event("held", 2)]
+        .into_iter()
+        .chain([event("held", 3), event("free", 1)])
+        .map(|e| {
+            env.topology
+                .event(e.to_body())
+                .with_ordering_key(&e.order_id)
+        })
+        .collect();
+    crate::support::publish_messages(&env.amqp, &messages).await?;
+    let mut config = env.worker_config(Mode::Batch);
+    config.topology.retry = config.topology.retry.clone().with_attempts(1);
+    let worker = RunningWorker::start(config);
+    wait_for("the held order parked", Duration::from_secs(30), || async {
+        Ok(env.count_rows("mq_parked_event").await? == 2
+            && env.points("free").await? == 1
+            && env.ready(&env.topology.dead_letter_queue).await? == 1)
+    })
+    .await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let page = &browser.client;
+
+    // The overview counts it; the parked keys' page shows its head.
+    page.goto(&console.url("/")).await?;
+    let overview = browser.text("main").await?;
+    ensure!(overview.contains("1\nparked keys"), "{overview}");
+    page.find(Locator::LinkText("Parked keys"))
+        .await?
+        .click()
+        .await?;
+    let listed = browser.text_holding("main", "in the dead letters").await?;
+    ensure!(listed.contains("held"), "{listed}");
+    ensure!(listed.contains(&event("held", 1).event_id), "{listed}");
+    ensure!(listed.contains("order held is poisoned"), "{listed}");
+    browser.keep("console-parked").await?;
+
+    // Without the token, a release is refused, and nothing is recorded.
+    page.find(Locator::Css("button[value=release]"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .text_holding("main", "actions need the token")
+        .await?;
+    ensure!(env.count_rows("idem_console_audit").await? == 0);
+    ensure!(env.count_rows("mq_parked_event").await? == 2);
+
+    // Logged in: the dry run says what a release does, and the release
+    // lets the two later events apply without their head.
+    page.goto(&console.url("/login")).await?;
+    page.find(Locator::Css("#token"))
+        .await?
+        .send_keys(TOKEN)
+        .await?;
+    page.find(Locator::Css("form[action='/login'] button"))
+        .await?
+        .click()
+        .await?;
+    browser
+        .text_holding("nav", "the token's holder (session)")
+        .await?;
+    env.sql("DROP TRIGGER poison ON user_points").await?;
+    page.goto(&console.url("/parked")).await?;
+    page.find(Locator::Css("button[value=release]"))
+        .await?
+        .click()
+        .await?;
+    browser.text_holding("main", "would release").await?;
+    ensure!(
+        env.count_rows("mq_parked_event").await? == 2,
+        "a dry run changes nothing"
+    );
+    browser.keep("console-parked-dry-run").await?;
+    page.find(Locator::Css("form[action='/parked'] button"))
+        .await?
+        .click()
+        .await?;
+    browser.text_holding("main", "released").await?;
+    wait_for(
+        "the held order's later events",
+        Duration::from_secs(30),
+        || async { Ok(env.points("held").await? == 2) },
+    )
+    .await?;
+    page.goto(&console.url("/parked")).await?;
+    browser.text_holding("main", "No key is parked").await?;
+
+    // The audit says who released which key, and how it ended.
+    page.goto(&console.url("/audit")).await?;
+    let audit = browser.text("main table").await?;
+    ensure!(audit.contains("the token's holder (session)"), "{audit}");
+    ensure!(audit.contains("release key"), "{audit}");
+    ensure!(audit.contains("key held"), "{audit}");
+    ensure!(audit.contains("released held"), "{audit}");
+
+    browser.close().await?;
+    console.stop().await?;
+    worker.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn html_in_a_body_or_an_error_is_shown_as_text_and_runs_nothing() -> anyhow::Result<()> {
     let Some(browser) = Browser::start().await? else {
         return Ok(());
@@ -485,6 +601,30 @@ async fn a_stranger_is_refused_what_the_token_allows() -> anyhow::Result<()> {
         .send()
         .await?;
     ensure!(login.status() == 403, "a login needs the form token too");
+    // A parked key's release and discard are refused the same way.
+    for path in ["/parked/preview", "/parked"] {
+        for (origin, bearer) in [
+            (Some(own.as_str()), None),
+            (None, Some("not-the-token")),
+            (Some("http://evil.example"), Some(TOKEN)),
+        ] {
+            let mut request = http
+                .post(console.url(path))
+                .header("content-type", "application/x-www-form-urlencoded")
+                .body("action=discard&key=poison-order");
+            if let Some(origin) = origin {
+                request = request.header("origin", origin);
+            }
+            if let Some(bearer) = bearer {
+                request = request.bearer_auth(bearer);
+            }
+            let status = request.send().await?.status();
+            ensure!(
+                status == 403,
+                "{path} from {origin:?} with {bearer:?}: {status}"
+            );
+        }
+    }
     ensure!(
         env.count_rows("idem_console_audit").await? == 0,
         "nothing was done"
@@ -511,6 +651,7 @@ async fn a_stranger_is_refused_what_the_token_allows() -> anyhow::Result<()> {
     // Beyond loopback, reading needs the token too.
     let console = RunningConsole::start(&env, |config| config.reading_needs_token = true).await?;
     ensure!(http.get(console.url("/groups")).send().await?.status() == 401);
+    ensure!(http.get(console.url("/parked")).send().await?.status() == 401);
     let read = http
         .get(console.url("/groups"))
         .bearer_auth(TOKEN)
