@@ -153,6 +153,10 @@ pub struct Report {
     /// confirmed, then the original acked) so as to hold no more than a
     /// quorum queue hands out unacked.
     pub moved_to_tail: usize,
+    /// Copies of letters this run had replayed or discarded, back in the
+    /// queue because a lost connection took their acks: acked, not acted
+    /// on again.
+    pub acked_again: usize,
     /// Why the run stopped before the end of the queue, if it did: letters
     /// it could not move to the tail.
     pub stopped_early: Option<String>,
@@ -237,6 +241,7 @@ async fn pass<H: Handler>(
     let mut reconnects = Reconnects::new(config.target.patience, "working through dead letters");
     let mut nacks = Nacks::new(config.target.patience);
     let mut consuming = None;
+    let mut acted = std::collections::HashSet::new();
     loop {
         let done = report.replayed.len() + report.discarded.len() + report.listed.len();
         let connection = connect_with_retry(
@@ -256,6 +261,7 @@ async fn pass<H: Handler>(
             discards: discards.as_mut(),
             report: &mut report,
             nacks: &mut nacks,
+            acted: &mut acted,
             held: Vec::new(),
             indexed_matches: None,
             matched: 0,

@@ -98,6 +98,10 @@ pub(super) struct Pass<'a, H> {
     pub(super) discards: Option<&'a mut std::fs::File>,
     pub(super) report: &'a mut Report,
     pub(super) nacks: &'a mut Nacks,
+    /// The keys of the letters this run replayed or discarded, and acked:
+    /// a copy of one back in the queue (the lost connection took its ack
+    /// with it) is acked, not acted on again nor left.
+    pub(super) acted: &'a mut std::collections::HashSet<String>,
     /// Letters taken but left in the queue, at most [`HOLD`] of them
     /// between chunks.
     pub(super) held: Vec<Kept>,
@@ -244,6 +248,7 @@ impl<H: Handler> Pass<'_, H> {
             Some(started) => self.index(chunk, started).await?,
             None => {
                 self.look_up(&mut chunk).await;
+                let chunk = self.ack_acted(&open.getter, chunk).await?;
                 let matched = self.matching(chunk);
                 self.act(open, connection, matched, shutdown).await?;
             }
@@ -769,9 +774,35 @@ impl<H: Handler> Pass<'_, H> {
         Ok(())
     }
 
+    /// Acks the letters of `chunk` that this run replayed or discarded
+    /// already (copies back after a lost connection: their replay was
+    /// confirmed, or their line synced, but the ack was lost); the rest.
+    async fn ack_acted(
+        &mut self,
+        getter: &Channel,
+        chunk: Vec<Letter>,
+    ) -> Result<Vec<Letter>, PassError> {
+        if self.acted.is_empty() {
+            return Ok(chunk);
+        }
+        let mut rest = Vec::with_capacity(chunk.len());
+        for letter in chunk {
+            if self.acted.contains(&letter.entry.key) {
+                getter
+                    .basic_ack(letter.tag, BasicAckOptions::default())
+                    .await?;
+                self.report.acked_again += 1;
+            } else {
+                rest.push(letter);
+            }
+        }
+        Ok(rest)
+    }
+
     /// Takes the letters of `keys`, acked, off the index. A failure leaves
     /// rows the next sync removes: it is reported, and the run goes on.
     pub(super) async fn taken(&mut self, keys: &[String]) {
+        self.acted.extend(keys.iter().cloned());
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         if let Err(error) = self.store.dead_letters_taken(&keys).await {
             warn!(%error, letters = keys.len(), "cannot take replayed or discarded letters off the dead-letter index");

@@ -239,6 +239,14 @@ impl fmt::Display for Printed<'_> {
                 report.moved_to_tail
             )?;
         }
+        if report.acked_again > 0 {
+            write!(
+                f,
+                "\n  ({} copy(ies) of letters acted on already came back when the connection was \
+                 lost before their acks: acked, not acted on again)",
+                report.acked_again
+            )?;
+        }
         if let Some(why) = &report.stopped_early {
             write!(
                 f,
