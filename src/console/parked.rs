@@ -72,6 +72,21 @@ impl<H: Handler> Console<H> {
         })
     }
 
+    /// The action a form asks for, as the command runs it, or the page
+    /// that says why there is none.
+    fn requested(
+        &self,
+        fields: &Fields,
+        dry_run: bool,
+    ) -> Result<(Kind, String, ParkedAction), Box<Response>> {
+        let (kind, key) =
+            asked(fields).map_err(|why| Box::new(refused(StatusCode::BAD_REQUEST, &why)))?;
+        let action = self
+            .parked_action(kind, &key, dry_run)
+            .map_err(|why| Box::new(view::unavailable("the console", &why)))?;
+        Ok((kind, key, action))
+    }
+
     async fn parked(&self, action: &ParkedAction) -> Result<ParkedReport, String> {
         let inner = &self.inner;
         parked::run::<H>(&inner.config.target, action, &inner.shutdown)
@@ -151,15 +166,11 @@ pub(super) async fn preview<H: Handler>(
     State(console): State<Console<H>>,
     Acting { who, fields }: Acting,
 ) -> Response {
-    let (kind, key) = match asked(&fields) {
-        Ok(asked) => asked,
-        Err(why) => return refused(StatusCode::BAD_REQUEST, &why),
+    let (kind, key, action) = match console.requested(&fields, true) {
+        Ok(requested) => requested,
+        Err(response) => return *response,
     };
-    let dry = match console.parked_action(kind, &key, true) {
-        Ok(action) => console.parked(&action).await,
-        Err(why) => return view::unavailable("the console", &why),
-    };
-    let report = match dry {
+    let report = match console.parked(&action).await {
         Ok(report) => report,
         Err(error) => return view::unavailable("the database", &error),
     };
@@ -196,13 +207,9 @@ pub(super) async fn act<H: Handler>(
     State(console): State<Console<H>>,
     Acting { who, fields }: Acting,
 ) -> Response {
-    let (kind, key) = match asked(&fields) {
-        Ok(asked) => asked,
-        Err(why) => return refused(StatusCode::BAD_REQUEST, &why),
-    };
-    let action = match console.parked_action(kind, &key, false) {
-        Ok(action) => action,
-        Err(why) => return view::unavailable("the console", &why),
+    let (kind, key, action) = match console.requested(&fields, false) {
+        Ok(requested) => requested,
+        Err(response) => return *response,
     };
     let file = match &action {
         ParkedAction::Discard { file, .. } => Some(file.display().to_string()),

@@ -179,6 +179,23 @@ impl Browser {
         Ok(())
     }
 
+    /// Logs in to `console` with the token, as an operator would.
+    async fn log_in(&self, console: &RunningConsole) -> anyhow::Result<()> {
+        let page = &self.client;
+        page.goto(&console.url("/login")).await?;
+        page.find(Locator::Css("#token"))
+            .await?
+            .send_keys(TOKEN)
+            .await?;
+        page.find(Locator::Css("form[action='/login'] button"))
+            .await?
+            .click()
+            .await?;
+        self.text_holding("nav", "the token's holder (session)")
+            .await?;
+        Ok(())
+    }
+
     async fn close(self) -> anyhow::Result<()> {
         self.client.close().await?;
         Ok(())
@@ -281,18 +298,7 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
     ensure!(env.count_rows("idem_console_audit").await? == 0);
 
     // Logged in, and the cause fixed: the group is replayed, once.
-    page.goto(&console.url("/login")).await?;
-    page.find(Locator::Css("#token"))
-        .await?
-        .send_keys(TOKEN)
-        .await?;
-    page.find(Locator::Css("form[action='/login'] button"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .text_holding("nav", "the token's holder (session)")
-        .await?;
+    browser.log_in(&console).await?;
     env.sql("DROP TRIGGER poison ON user_points").await?;
     page.goto(&console.url("/groups")).await?;
     page.find(Locator::XPath(
@@ -350,18 +356,21 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
     let Some(browser) = Browser::start().await? else {
         return Ok(());
     };
+    // A key holding HTML, as a stranger's producer might send it: shown as
+    // text, run never.
+    const HELD: &str = r#"held<script>document.title="pwned"</script>"#;
     // An ordered queue: the held order's first event dies at once, and its
     // key is parked behind it with its two later events.
     let env = TestEnv::ordered_on_broker(amqp_url(), 2).await?;
-    env.poison_order("held").await?;
+    env.poison_order(HELD).await?;
     let event = |order: &str, n: usize| PaymentSucceeded {
         event_id: format!("{}-{order}-{n}", env.name),
         order_id: order.to_owned(),
         points: 1,
     };
-    let messages: Vec<idem::broker::Outgoing> = [event("held", 1), event("held", 2)]
+    let messages: Vec<idem::broker::Outgoing> = [event(HELD, 1), event(HELD, 2)]
         .into_iter()
-        .chain([event("held", 3), event("free", 1)])
+        .chain([event(HELD, 3), event("free", 1)])
         .map(|e| {
             env.topology
                 .event(e.to_body())
@@ -390,9 +399,14 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
         .click()
         .await?;
     let listed = browser.text_holding("main", "in the dead letters").await?;
-    ensure!(listed.contains("held"), "{listed}");
-    ensure!(listed.contains(&event("held", 1).event_id), "{listed}");
-    ensure!(listed.contains("order held is poisoned"), "{listed}");
+    let key = browser.text("main tbody tr td").await?;
+    ensure!(key == HELD, "the key as text: {key}");
+    ensure!(listed.contains(&event(HELD, 1).event_id), "{listed}");
+    ensure!(
+        listed.contains(&format!("order {HELD} is poisoned")),
+        "{listed}"
+    );
+    ensure!(page.title().await? != "pwned", "a script ran");
     browser.keep("console-parked").await?;
 
     // Without the token, a release is refused, and nothing is recorded.
@@ -408,18 +422,7 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
 
     // Logged in: the dry run says what a release does, and the release
     // lets the two later events apply without their head.
-    page.goto(&console.url("/login")).await?;
-    page.find(Locator::Css("#token"))
-        .await?
-        .send_keys(TOKEN)
-        .await?;
-    page.find(Locator::Css("form[action='/login'] button"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .text_holding("nav", "the token's holder (session)")
-        .await?;
+    browser.log_in(&console).await?;
     env.sql("DROP TRIGGER poison ON user_points").await?;
     page.goto(&console.url("/parked")).await?;
     page.find(Locator::Css("button[value=release]"))
@@ -440,7 +443,7 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
     wait_for(
         "the held order's later events",
         Duration::from_secs(30),
-        || async { Ok(env.points("held").await? == 2) },
+        || async { Ok(env.points(HELD).await? == 2) },
     )
     .await?;
     page.goto(&console.url("/parked")).await?;
@@ -451,8 +454,9 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
     let audit = browser.text("main table").await?;
     ensure!(audit.contains("the token's holder (session)"), "{audit}");
     ensure!(audit.contains("release key"), "{audit}");
-    ensure!(audit.contains("key held"), "{audit}");
-    ensure!(audit.contains("released held"), "{audit}");
+    ensure!(audit.contains(&format!("key {HELD}")), "{audit}");
+    ensure!(audit.contains(&format!("released {HELD}")), "{audit}");
+    ensure!(page.title().await? != "pwned", "a script ran");
 
     browser.close().await?;
     console.stop().await?;
