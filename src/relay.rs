@@ -11,6 +11,15 @@
 //! unlocked unsent and go again under the same `message_id`: a receiver
 //! that deduplicates on it applies each once. It runs inside a worker whose
 //! handler sends messages, and alone as `idem relay`.
+//!
+//! Messages of an event with an ordering key leave in their key's order,
+//! whatever the number of relays and lanes: one transaction at a time
+//! takes them (it holds an advisory lock; the others take the unordered
+//! ones meanwhile), in id order, which is the order their events applied
+//! in. A message the broker refuses waits, and its key's later messages
+//! wait behind it. One limit: the messages of one batch are published
+//! before any confirm is awaited, so a refused message's later ones *in
+//! the same batch* may be confirmed before it.
 
 use std::time::Duration;
 
@@ -63,9 +72,10 @@ pub struct RelayConfig {
 impl RelayConfig {
     /// Messages per transaction, by default.
     pub const DEFAULT_BATCH_SIZE: i64 = 1000;
-    /// Batches in flight, by default: one keeps each destination's
-    /// messages in id order (more lanes overlap their confirms, and may
-    /// not).
+    /// Lanes, by default. Messages with an ordering key leave in their
+    /// key's order with any number of lanes and relays (one transaction
+    /// at a time takes them); the others have no order, and more lanes
+    /// only overlap their confirms.
     pub const DEFAULT_LANES: usize = 1;
     /// The wait when nothing is due, by default.
     pub const DEFAULT_IDLE_WAIT: Duration = Duration::from_millis(200);
@@ -276,6 +286,10 @@ async fn lane(
         if turn.done {
             database_pause = database_waits();
         }
+        // A batch settled this turn may have held what the next could not
+        // take (ordered messages, one transaction at a time): look again
+        // before calling the outbox empty.
+        let idle = idle && !turn.done;
         if let Some(error) = turn.unreachable {
             let wait = database_pause.next().unwrap_or(Duration::from_secs(5));
             warn!(%error, "the relay cannot reach the outbox: trying again in {:.1}s", wait.as_secs_f64());
@@ -391,7 +405,11 @@ async fn send(
     // All sent at once, before any confirm is awaited: one round trip per
     // batch, in a few writes. A send that fails ends the sending: the
     // channel is gone, and the confirms of what went before say why.
-    let messages: Vec<Outgoing> = due.iter().map(outgoing).collect();
+    let messages: Vec<Outgoing> = due
+        .iter()
+        .filter(|message| !message.held)
+        .map(outgoing)
+        .collect();
     let mut confirms = Vec::with_capacity(due.len());
     let mut unsendable = None;
     for send in channel.send_all(&messages).await {
@@ -430,7 +448,17 @@ impl Sending {
         // batch not confirmed by then fails with it, but only those to the
         // exchange it names are to blame; the others go again.
         let mut closed_over = unsendable.as_ref().and_then(crate::broker::refusal);
-        for (message, confirm) in due.iter().zip(confirms) {
+        let mut confirms = confirms.into_iter();
+        for message in &due {
+            if message.held {
+                // Not sent: it waits on its own, behind its key's earlier one.
+                outcomes.push(None);
+                continue;
+            }
+            // The rest was not sent: the channel is gone.
+            let Some(confirm) = confirms.next() else {
+                break;
+            };
             let refusal = match settle(confirm).await {
                 Ok(Ok(())) => {
                     outcomes.push(Some(Ok(())));

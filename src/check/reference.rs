@@ -13,6 +13,7 @@ use super::scratch::Scratch;
 use super::state::{Digest, Message, State, Tables};
 use super::{CheckError, Event};
 use crate::caught;
+use crate::handler::outbox::Entry;
 use crate::handler::{FailureKind, Handler, HandlerError, Outbox, message_id};
 use crate::store::{Applier, Store, describe};
 
@@ -321,9 +322,12 @@ async fn apply<H: Handler>(
 ) -> Result<Sent, String> {
     let ids: Vec<&str> = events.iter().map(|event| event.id.as_str()).collect();
     let decoded: Vec<&H::Event> = events.iter().map(|event| &event.event).collect();
-    let mut outbox = Outbox::new(H::SENDS_MESSAGES, &ids, |place| {
-        handler.outgoing(decoded[place])
-    });
+    let mut outbox = Outbox::new(
+        H::SENDS_MESSAGES,
+        &ids,
+        |place| handler.ordering_key(decoded[place]),
+        |place| handler.outgoing(decoded[place]),
+    );
     let applied = caught::future(handler.apply(tx, &decoded, &mut outbox))
         .await
         .map_err(|panic| format!("apply {panic}"))?;
@@ -336,7 +340,10 @@ async fn apply<H: Handler>(
     let messages: Vec<_> = outbox.into_messages().collect();
     let written = messages
         .iter()
-        .map(|(id, index, message)| (*id, *index, message.clone()))
+        .map(|entry| Entry {
+            message: entry.message.clone(),
+            ..*entry
+        })
         .collect();
     crate::store::outbox::write(tx, consumer_group, written)
         .await
@@ -349,16 +356,23 @@ async fn apply<H: Handler>(
         })?;
     Ok(messages
         .into_iter()
-        .map(|(id, index, message)| {
-            let key = message_id(consumer_group, id, index).to_string();
-            let message = Message {
-                exchange: message.exchange,
-                routing_key: message.routing_key,
-                content_type: message.content_type,
-                headers: message.headers,
-                body: message.body,
-            };
-            (key, message.value())
-        })
+        .map(
+            |Entry {
+                 event_id,
+                 index,
+                 message,
+                 ..
+             }| {
+                let key = message_id(consumer_group, event_id, index).to_string();
+                let message = Message {
+                    exchange: message.exchange,
+                    routing_key: message.routing_key,
+                    content_type: message.content_type,
+                    headers: message.headers,
+                    body: message.body,
+                };
+                (key, message.value())
+            },
+        )
         .collect())
 }

@@ -8,7 +8,7 @@
 //! effect knows no consume record.
 
 mod failure;
-mod outbox;
+pub(crate) mod outbox;
 
 use std::fmt;
 use std::future::Future;

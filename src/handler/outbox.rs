@@ -38,6 +38,25 @@ impl OutboxMessage {
         self.headers.insert(name.into(), value.into());
         self
     }
+
+    /// The same message with `key` in the
+    /// [`ORDERING_KEY_HEADER`](super::ORDERING_KEY_HEADER) header: the key
+    /// an ordered queue of idem's downstream routes it by. (The order in
+    /// which the outbox sends it is its event's key's, not this one's.)
+    pub fn with_ordering_key(self, key: impl Into<String>) -> Self {
+        self.with_header(super::ORDERING_KEY_HEADER, key)
+    }
+}
+
+/// A message of the outbox as idem writes it: the event that sends it, that
+/// event's ordering key (its messages leave in the key's order), its index
+/// among the event's messages, the message.
+#[derive(Debug)]
+pub(crate) struct Entry<'e> {
+    pub(crate) event_id: &'e str,
+    pub(crate) ordering_key: Option<&'e str>,
+    pub(crate) index: usize,
+    pub(crate) message: OutboxMessage,
 }
 
 /// The idempotency key of the `index`-th message that the event `event_id`
@@ -94,28 +113,34 @@ pub struct Outbox<'e> {
     /// The transaction's fresh events, sorted, and how many messages each
     /// has so far.
     events: Vec<(&'e str, usize)>,
+    /// Each event's ordering key, index for index with `events`.
+    keys: Vec<Option<&'e str>>,
     /// Per message: its event's place in `events`, its index, the message.
     messages: Vec<(usize, usize, OutboxMessage)>,
 }
 
 impl<'e> Outbox<'e> {
-    /// An outbox for the events `ids` (sorted, distinct), holding the
-    /// messages `outgoing` gives each; closed (every send refused) unless
-    /// `open`. A closed one keeps no events: it never needs them, and the
-    /// transactions of a handler that sends nothing copy nothing.
+    /// An outbox for the events `ids` (sorted, distinct), each with the
+    /// ordering key `key` gives it, holding the messages `outgoing` gives
+    /// each; closed (every send refused) unless `open`. A closed one keeps
+    /// no events: it never needs them, and the transactions of a handler
+    /// that sends nothing copy nothing.
     pub(crate) fn new(
         open: bool,
         ids: &[&'e str],
+        key: impl Fn(usize) -> Option<&'e str>,
         mut outgoing: impl FnMut(usize) -> Vec<OutboxMessage>,
     ) -> Self {
-        let events = if open {
-            ids.iter().map(|id| (*id, 0)).collect()
+        let (events, keys) = if open {
+            let events = ids.iter().map(|id| (*id, 0)).collect();
+            (events, (0..ids.len()).map(key).collect())
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let mut outbox = Self {
             open,
             events,
+            keys,
             messages: Vec::new(),
         };
         if open {
@@ -173,14 +198,20 @@ impl<'e> Outbox<'e> {
     }
 
     /// The messages, event by event in the events' order, each event's in
-    /// index order: its id, the index, the message.
-    pub(crate) fn into_messages(mut self) -> impl Iterator<Item = (&'e str, usize, OutboxMessage)> {
+    /// index order. (A transaction holds one event of a key at most: the
+    /// events' order is not their keys'.)
+    pub(crate) fn into_messages(mut self) -> impl Iterator<Item = Entry<'e>> {
         // Stable, and within an event the indices were handed out in order.
         self.messages.sort_by_key(|(place, _, _)| *place);
-        let events = self.events;
+        let (events, keys) = (self.events, self.keys);
         self.messages
             .into_iter()
-            .map(move |(place, index, message)| (events[place].0, index, message))
+            .map(move |(place, index, message)| Entry {
+                event_id: events[place].0,
+                ordering_key: keys[place],
+                index,
+                message,
+            })
     }
 }
 
@@ -195,18 +226,21 @@ mod tests {
     fn sent(outbox: Outbox<'_>) -> Vec<(String, usize, String)> {
         outbox
             .into_messages()
-            .map(|(id, index, message)| {
-                let body = String::from_utf8(message.body).unwrap_or_default();
-                (id.to_owned(), index, body)
+            .map(|entry| {
+                let body = String::from_utf8(entry.message.body).unwrap_or_default();
+                (entry.event_id.to_owned(), entry.index, body)
             })
             .collect()
     }
 
     #[test]
     fn apply_s_messages_follow_outgoing_s_event_by_event() -> Result<(), HandlerError> {
-        let mut outbox = Outbox::new(true, &["a", "b"], |place| {
-            vec![message(["a0", "b0"][place])]
-        });
+        let mut outbox = Outbox::new(
+            true,
+            &["a", "b"],
+            |_| None,
+            |place| vec![message(["a0", "b0"][place])],
+        );
         outbox.send("b", message("b1"))?;
         outbox.send("a", message("a1"))?;
         outbox.send("b", message("b2"))?;
@@ -227,13 +261,13 @@ mod tests {
 
     #[test]
     fn a_send_for_another_event_or_from_a_handler_that_sends_nothing_is_permanent() {
-        let mut outbox = Outbox::new(true, &["a"], |_| Vec::new());
+        let mut outbox = Outbox::new(true, &["a"], |_| None, |_| Vec::new());
         let stranger = outbox.send("z", message("z0"));
         assert!(
             matches!(stranger, Err(HandlerError::Permanent(_))),
             "{stranger:?}"
         );
-        let mut closed = Outbox::new(false, &["a"], |_| vec![message("never asked")]);
+        let mut closed = Outbox::new(false, &["a"], |_| None, |_| vec![message("never asked")]);
         assert!(closed.is_empty(), "a closed outbox does not ask outgoing");
         let refused = closed.send("a", message("a0"));
         assert!(

@@ -591,12 +591,16 @@ impl<'s, 'e, E> Batch<'s, 'e, E> {
     }
 }
 
-/// The outbox of `events` (sorted, distinct; `ids` theirs), seeded with what
-/// the handler's [`Handler::outgoing`] returns for each.
-fn outbox_of<'e, H: Handler>(handler: &H, ids: &[&'e str], events: &[&H::Event]) -> Outbox<'e> {
-    Outbox::new(H::SENDS_MESSAGES, ids, |place| {
-        handler.outgoing(events[place])
-    })
+/// The outbox of `events` (sorted, distinct; `ids` theirs), with their
+/// ordering keys, seeded with what the handler's [`Handler::outgoing`]
+/// returns for each.
+fn outbox_of<'e, H: Handler>(handler: &H, ids: &[&'e str], events: &[&'e H::Event]) -> Outbox<'e> {
+    Outbox::new(
+        H::SENDS_MESSAGES,
+        ids,
+        |place| handler.ordering_key(events[place]),
+        |place| handler.outgoing(events[place]),
+    )
 }
 
 /// Whether `error` is a consume record refused by the partition of a

@@ -83,7 +83,7 @@ pub fn claim_and_tally_statement<E>(tally: &Tally<E>, clear_ledger: bool) -> Str
 }
 
 /// [`claim_and_tally_statement`], and the outbox rows of the events that
-/// went in: `$10`…`$16` as [`super::outbox::Rows`].
+/// went in: `$10`…`$17` as [`super::outbox::Rows`].
 pub(super) fn claim_tally_and_send_statement<E>(tally: &Tally<E>, clear_ledger: bool) -> String {
     claim_tally_then(
         tally,

@@ -95,10 +95,17 @@ pub(super) async fn write_given_up(
         })
         .map(|g| (crate::handler::given_up_name(&g.key, g.replays), *g))
         .collect();
+    // A death's messages are unordered: no event of the key follows it
+    // through the outbox.
     let mut messages = Vec::new();
     for (name, death) in &deaths {
         for (index, message) in death.messages.iter().enumerate() {
-            messages.push((name.as_str(), index, message.clone()));
+            messages.push(crate::handler::outbox::Entry {
+                event_id: name.as_str(),
+                ordering_key: None,
+                index,
+                message: message.clone(),
+            });
         }
     }
     super::outbox::write(tx, consumer_group, messages).await?;

@@ -47,6 +47,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(17, "0017_outbox_batches.sql"),
     migration!(18, "0018_points_table_leaves_the_baseline.sql"),
     migration!(19, "0019_parked_keys.sql"),
+    migration!(20, "0020_outbox_order_per_key.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of

@@ -6,11 +6,13 @@ use std::time::Duration;
 
 use deadpool_postgres::GenericClient;
 
-use crate::handler::{Outbox, OutboxMessage, message_id};
+use crate::handler::outbox::Entry;
+use crate::handler::{Outbox, message_id};
 
 /// The outbox rows of some events, column by column (what `unnest` takes):
 /// `$1` the event ids they belong to, then message ids, exchanges, routing
-/// keys, content types, headers (JSON) and bodies.
+/// keys, content types, headers (JSON), bodies and their events' ordering
+/// keys.
 #[derive(Debug, Default)]
 pub(super) struct Rows {
     event_ids: Vec<String>,
@@ -20,6 +22,7 @@ pub(super) struct Rows {
     content_types: Vec<Option<String>>,
     headers: Vec<String>,
     bodies: Vec<Vec<u8>>,
+    ordering_keys: Vec<Option<String>>,
 }
 
 impl Rows {
@@ -28,17 +31,19 @@ impl Rows {
         Self::of_messages(group, outbox.into_messages())
     }
 
-    /// The rows of `messages` (an event's id, the message's index among
-    /// that event's, the message), keyed in `group`.
-    fn of_messages<'e>(
-        group: &str,
-        messages: impl Iterator<Item = (&'e str, usize, OutboxMessage)>,
-    ) -> Self {
+    /// The rows of `messages`, keyed in `group`.
+    fn of_messages<'e>(group: &str, messages: impl Iterator<Item = Entry<'e>>) -> Self {
         let mut rows = Self::default();
         // Each message carries the context of the span that sends it,
         // unless the handler gave one of its own.
         let mut context = None;
-        for (event_id, index, mut message) in messages {
+        for Entry {
+            event_id,
+            ordering_key,
+            index,
+            mut message,
+        } in messages
+        {
             let context = context.get_or_insert_with(crate::telemetry::trace::current);
             for (name, value) in context.iter() {
                 message
@@ -56,6 +61,7 @@ impl Rows {
             rows.headers
                 .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
             rows.bodies.push(message.body);
+            rows.ordering_keys.push(ordering_key.map(str::to_owned));
         }
         rows
     }
@@ -66,7 +72,7 @@ impl Rows {
 
     /// The rows' parameters, in the order [`sent_step`] and
     /// [`insert_statement`] take them.
-    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 7] {
+    pub(super) fn params(&self) -> [&(dyn tokio_postgres::types::ToSql + Sync); 8] {
         [
             &self.event_ids,
             &self.message_ids,
@@ -75,39 +81,44 @@ impl Rows {
             &self.content_types,
             &self.headers,
             &self.bodies,
+            &self.ordering_keys,
         ]
     }
 }
 
-/// The rows of `$n`…`$n+6` (see [`Rows`]), in the order given.
+/// The rows of `$n`…`$n+7` (see [`Rows`]), in the order given.
 fn unnest(first: usize) -> String {
-    let [a, b, c, d, e, f, g] = std::array::from_fn(|i| first + i);
+    let [a, b, c, d, e, f, g, h] = std::array::from_fn(|i| first + i);
     format!(
         "unnest(${a}::varchar[], ${b}::text[], ${c}::text[], ${d}::text[], ${e}::text[], \
-         ${f}::text[], ${g}::bytea[]) WITH ORDINALITY \
+         ${f}::text[], ${g}::bytea[], ${h}::text[]) WITH ORDINALITY \
          AS outgoing(event_id, message_id, exchange, routing_key, content_type, headers, body, \
-         place)"
+         ordering_key, place)"
     )
 }
 
-/// The messages of `outgoing` (see [`unnest`]) as one row of
-/// `mq_outbox_batch`, in their order; none when there are none.
+/// The messages of `outgoing` (see [`unnest`]) as rows of
+/// `mq_outbox_batch`, in their order: one of the ordered ones (with their
+/// keys), one of the others; none when there are none.
 fn batch_row(from: &str) -> String {
     format!(
         "INSERT INTO mq_outbox_batch \
-             (message_ids, exchanges, routing_keys, content_types, headers, bodies, messages) \
+             (message_ids, exchanges, routing_keys, content_types, headers, bodies, messages, \
+              ordering_keys) \
          SELECT array_agg(outgoing.message_id::uuid ORDER BY outgoing.place), \
                 array_agg(outgoing.exchange ORDER BY outgoing.place), \
                 array_agg(outgoing.routing_key ORDER BY outgoing.place), \
                 array_agg(outgoing.content_type ORDER BY outgoing.place), \
                 array_agg(outgoing.headers ORDER BY outgoing.place), \
-                array_agg(outgoing.body ORDER BY outgoing.place), count(*) \
+                array_agg(outgoing.body ORDER BY outgoing.place), count(*), \
+                CASE WHEN bool_and(outgoing.ordering_key IS NOT NULL) \
+                    THEN array_agg(outgoing.ordering_key ORDER BY outgoing.place) END \
          FROM {from} \
-         HAVING count(*) > 0"
+         GROUP BY outgoing.ordering_key IS NOT NULL"
     )
 }
 
-/// The outbox row of the events that went in, as a step of a claim
+/// The outbox rows of the events that went in, as a step of a claim
 /// statement whose `claimed` step yields them; the rows' parameters start
 /// at `$first`.
 pub(super) fn sent_step(first: usize) -> String {
@@ -117,19 +128,18 @@ pub(super) fn sent_step(first: usize) -> String {
     )
 }
 
-/// The outbox row of events known to have gone in, inside their
-/// transaction: `$1`…`$7` as [`Rows::params`].
+/// The outbox rows of events known to have gone in, inside their
+/// transaction: `$1`…`$8` as [`Rows::params`].
 pub(super) fn insert_statement() -> String {
     batch_row(&unnest(1))
 }
 
-/// Writes `messages` (an event's id, the message's index among that
-/// event's, the message) to the outbox in `tx`, keyed in `group`, as a
+/// Writes `messages` to the outbox in `tx`, keyed in `group`, as a
 /// transaction that applies their events does.
 pub(crate) async fn write(
     tx: &impl GenericClient,
     group: &str,
-    messages: Vec<(&str, usize, OutboxMessage)>,
+    messages: Vec<Entry<'_>>,
 ) -> Result<(), tokio_postgres::Error> {
     let rows = Rows::of_messages(group, messages.into_iter());
     if rows.is_empty() {
@@ -171,6 +181,12 @@ pub struct Unsent {
     pub body: Vec<u8>,
     /// Publishes refused so far.
     pub attempts: i32,
+    /// Its event's ordering key, if it has one.
+    pub ordering_key: Option<String>,
+    /// Not to be published in this batch: an earlier message of its key
+    /// waits (refused, its next attempt not due). It is put back to wait
+    /// on its own, behind that one.
+    pub held: bool,
 }
 
 /// Headers as idem writes them: a JSON object of strings.
@@ -178,25 +194,98 @@ fn headers(text: &str) -> std::collections::BTreeMap<String, String> {
     serde_json::from_str(text).unwrap_or_default()
 }
 
+/// The advisory lock a relay holds, for its transaction, while it takes
+/// ordered messages (those with an ordering key): one relay at a time
+/// takes them, in id order, none skipped, so that a key's messages leave
+/// in the order their events applied. Keyed by the outbox table's oid, so
+/// that each schema has its own.
+const ORDER_LOCK: &str = "SELECT pg_try_advisory_xact_lock(x'69646f6f'::integer, \
+                          'mq_outbox_batch'::regclass::oid::integer)";
+
 /// Up to about `limit` unsent messages that are due, locked for the
-/// caller's transaction; rows another relay holds are skipped. Those
-/// waiting on their own first (refused or left over before, oldest first),
-/// then whole rows of batches, oldest first, until `limit` is reached.
+/// caller's transaction. Those waiting on their own first (refused or left
+/// over before, oldest first), then whole rows of batches, oldest first,
+/// until `limit` is reached.
+///
+/// Unordered messages are taken by any relay, skipping rows another one
+/// holds. Ordered ones only by the relay that gets the order lock (the
+/// others take unordered ones meanwhile), in id order; a key whose earlier
+/// message waits for its next attempt is blocked: its later messages are
+/// not taken from `mq_outbox`, and in a batch row they are taken
+/// [`held`](Unsent::held).
 pub async fn take(
     client: &impl GenericClient,
     limit: i64,
 ) -> Result<Vec<Unsent>, tokio_postgres::Error> {
+    let ordered: bool = client.query_one(ORDER_LOCK, &[]).await?.try_get(0)?;
+    let mut taken = take_rows(client, limit, ordered).await?;
+    if taken.len() as i64 >= limit {
+        return Ok(taken);
+    }
+    let blocked: std::collections::HashSet<String> = if ordered {
+        client
+            .query(
+                "SELECT DISTINCT ordering_key FROM mq_outbox \
+                 WHERE ordering_key IS NOT NULL AND sent_at IS NULL AND next_attempt_at > now()",
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|row| row.try_get(0))
+            .collect::<Result<_, _>>()?
+    } else {
+        std::collections::HashSet::new()
+    };
+    let next_batch = client
+        .prepare_cached(if ordered {
+            "SELECT id, message_ids, exchanges, routing_keys, content_types, headers, bodies, \
+                 ordering_keys \
+             FROM mq_outbox_batch WHERE id > $1 \
+             ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"
+        } else {
+            "SELECT id, message_ids, exchanges, routing_keys, content_types, headers, bodies, \
+                 ordering_keys \
+             FROM mq_outbox_batch WHERE id > $1 AND ordering_keys IS NULL \
+             ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED"
+        })
+        .await?;
+    // After the last row taken: a row this transaction locked is not
+    // skipped, but taken again.
+    let mut after = 0_i64;
+    while (taken.len() as i64) < limit {
+        let Some(row) = client.query_opt(&next_batch, &[&after]).await? else {
+            break;
+        };
+        after = row.try_get(0)?;
+        batch_messages(&row, &blocked, &mut taken)?;
+    }
+    Ok(taken)
+}
+
+/// Up to `limit` due messages of `mq_outbox`, in id order: the unordered
+/// ones another relay does not hold, and with `ordered` (the order lock
+/// held) the ordered ones whose key has no earlier message waiting.
+async fn take_rows(
+    client: &impl GenericClient,
+    limit: i64,
+    ordered: bool,
+) -> Result<Vec<Unsent>, tokio_postgres::Error> {
     let rows = client
         .query(
             "SELECT id, message_id::text, exchange, routing_key, content_type, headers::text, \
-                 body, attempts \
-             FROM mq_outbox WHERE sent_at IS NULL AND next_attempt_at <= now() \
+                 body, attempts, ordering_key \
+             FROM mq_outbox AS message \
+             WHERE sent_at IS NULL AND next_attempt_at <= now() \
+               AND (ordering_key IS NULL OR ($2 AND NOT EXISTS ( \
+                   SELECT FROM mq_outbox AS earlier \
+                   WHERE earlier.ordering_key = message.ordering_key \
+                     AND earlier.id < message.id AND earlier.sent_at IS NULL \
+                     AND earlier.next_attempt_at > now()))) \
              ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-            &[&limit],
+            &[&limit, &ordered],
         )
         .await?;
-    let mut taken = rows
-        .iter()
+    rows.iter()
         .map(|row| {
             Ok(Unsent {
                 taken: Taken::Row(row.try_get(0)?),
@@ -207,53 +296,57 @@ pub async fn take(
                 headers: headers(row.try_get(5)?),
                 body: row.try_get(6)?,
                 attempts: row.try_get(7)?,
+                ordering_key: row.try_get(8)?,
+                held: false,
             })
         })
-        .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
-    let next_batch = client
-        .prepare_cached(
-            "SELECT id, message_ids, exchanges, routing_keys, content_types, headers, bodies \
-             FROM mq_outbox_batch WHERE id > $1 ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED",
-        )
-        .await?;
-    // After the last row taken: a row this transaction locked is not
-    // skipped, but taken again.
-    let mut after = 0_i64;
-    while (taken.len() as i64) < limit {
-        let Some(row) = client.query_opt(&next_batch, &[&after]).await? else {
-            break;
-        };
-        let id: i64 = row.try_get(0)?;
-        after = id;
-        let message_ids: Vec<uuid::Uuid> = row.try_get(1)?;
-        let exchanges: Vec<String> = row.try_get(2)?;
-        let routing_keys: Vec<String> = row.try_get(3)?;
-        let content_types: Vec<Option<String>> = row.try_get(4)?;
-        let all_headers: Vec<String> = row.try_get(5)?;
-        let bodies: Vec<Vec<u8>> = row.try_get(6)?;
-        // Written by one statement from arrays of one length.
-        for (((((message_id, exchange), routing_key), content_type), headers_text), body) in
-            message_ids
-                .into_iter()
-                .zip(exchanges)
-                .zip(routing_keys)
-                .zip(content_types)
-                .zip(all_headers)
-                .zip(bodies)
-        {
-            taken.push(Unsent {
-                taken: Taken::Batch(id),
-                message_id: message_id.to_string(),
-                exchange,
-                routing_key,
-                content_type,
-                headers: headers(&headers_text),
-                body,
-                attempts: 0,
-            });
-        }
+        .collect()
+}
+
+/// The messages of a row of `mq_outbox_batch`, added to `taken`; those
+/// whose key is `blocked` held.
+fn batch_messages(
+    row: &tokio_postgres::Row,
+    blocked: &std::collections::HashSet<String>,
+    taken: &mut Vec<Unsent>,
+) -> Result<(), tokio_postgres::Error> {
+    let id: i64 = row.try_get(0)?;
+    let message_ids: Vec<uuid::Uuid> = row.try_get(1)?;
+    let exchanges: Vec<String> = row.try_get(2)?;
+    let routing_keys: Vec<String> = row.try_get(3)?;
+    let content_types: Vec<Option<String>> = row.try_get(4)?;
+    let all_headers: Vec<String> = row.try_get(5)?;
+    let bodies: Vec<Vec<u8>> = row.try_get(6)?;
+    let ordering_keys: Option<Vec<String>> = row.try_get(7)?;
+    let keys = ordering_keys
+        .map(|keys| keys.into_iter().map(Some).collect())
+        .unwrap_or_else(|| vec![None; message_ids.len()]);
+    // Written by one statement from arrays of one length.
+    for ((((((message_id, exchange), routing_key), content_type), headers_text), body), key) in
+        message_ids
+            .into_iter()
+            .zip(exchanges)
+            .zip(routing_keys)
+            .zip(content_types)
+            .zip(all_headers)
+            .zip(bodies)
+            .zip(keys)
+    {
+        let held = key.as_ref().is_some_and(|key| blocked.contains(key));
+        taken.push(Unsent {
+            taken: Taken::Batch(id),
+            message_id: message_id.to_string(),
+            exchange,
+            routing_key,
+            content_type,
+            headers: headers(&headers_text),
+            body,
+            attempts: 0,
+            ordering_key: key,
+            held,
+        });
     }
-    Ok(taken)
+    Ok(())
 }
 
 /// Removes `ids` of `mq_outbox`, sent: the outbox keeps what is still to
@@ -305,6 +398,7 @@ pub(crate) async fn put_back(
                 .headers
                 .push(serde_json::to_string(&message.headers).unwrap_or_else(|_| "{}".into()));
             columns.bodies.push(message.body.as_slice());
+            columns.ordering_keys.push(message.ordering_key.as_deref());
             let (attempts, reason, wait) = match refused {
                 Some((reason, wait)) => (message.attempts + 1, Some(reason.as_str()), *wait),
                 None => (message.attempts, None, Duration::ZERO),
@@ -316,14 +410,16 @@ pub(crate) async fn put_back(
         client
             .execute(
                 "INSERT INTO mq_outbox (message_id, exchange, routing_key, content_type, headers, \
-                     body, attempts, last_error, next_attempt_at) \
+                     body, attempts, last_error, next_attempt_at, ordering_key) \
                  SELECT back.message_id::uuid, back.exchange, back.routing_key, \
                      back.content_type, back.headers::jsonb, back.body, back.attempts, \
-                     back.reason, now() + back.wait * interval '1 millisecond' \
+                     back.reason, now() + back.wait * interval '1 millisecond', \
+                     back.ordering_key \
                  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], \
-                             $6::bytea[], $7::int[], $8::text[], $9::bigint[]) WITH ORDINALITY \
+                             $6::bytea[], $7::int[], $8::text[], $9::bigint[], $10::text[]) \
+                     WITH ORDINALITY \
                      AS back(message_id, exchange, routing_key, content_type, headers, body, \
-                             attempts, reason, wait, place) \
+                             attempts, reason, wait, ordering_key, place) \
                  ORDER BY back.place",
                 &[
                     &columns.message_ids,
@@ -335,6 +431,7 @@ pub(crate) async fn put_back(
                     &columns.attempts,
                     &columns.reasons,
                     &columns.waits,
+                    &columns.ordering_keys,
                 ],
             )
             .await?;
@@ -362,6 +459,7 @@ struct PutBackColumns<'m> {
     attempts: Vec<i32>,
     reasons: Vec<Option<&'m str>>,
     waits: Vec<i64>,
+    ordering_keys: Vec<Option<&'m str>>,
 }
 
 fn millis(wait: Duration) -> i64 {

@@ -4,16 +4,22 @@
 //! applies (a retry, a replay) or an operator releases the key; an event
 //! without a usable key is invalid.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
+use anyhow::Context as _;
+use idem::broker::Exchange;
 use idem::commands::parked::{self, ParkedAction, ParkedReport};
 use idem::dlq::{Action, DlqConfig};
+use idem::relay::{RelayConfig, RelayCounters};
 use idem::worker::ParkedBounds;
 use idem::{Mode, Topology};
+use lapin::options::QueueBindOptions;
+use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::steps::{self, Steps};
-use crate::support::{Env, Running, wait_for, with_env};
+use crate::support::{Env, Running, patient, wait_for, with_env};
 
 const GROUP: &str = "steps";
 
@@ -629,6 +635,185 @@ async fn past_the_bound_of_keys_a_failed_head_waits_unacked_and_its_key_keeps_it
         let stats = worker.stop().await?;
         assert_eq!(stats.dead_lettered, 0, "{stats:?}");
         Ok(())
+    })
+    .await
+}
+
+/// Every message of `queue`, in the order it holds them, taken off it.
+async fn drain_queue(env: &Env, queue: &str) -> anyhow::Result<Vec<Vec<u8>>> {
+    let channel = env.connection.create_channel().await?;
+    let mut bodies = Vec::new();
+    while let Some(message) = channel
+        .basic_get(
+            queue.into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await?
+    {
+        bodies.push(message.delivery.data);
+    }
+    channel.close(200, "OK".into()).await?;
+    Ok(bodies)
+}
+
+/// The steps each order's messages announce, in the order they arrived.
+fn announced_steps(bodies: &[Vec<u8>]) -> anyhow::Result<BTreeMap<String, Vec<i64>>> {
+    let mut steps: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for body in bodies {
+        let message: serde_json::Value = serde_json::from_slice(body)?;
+        let order = message["order"].as_str().context("an order")?;
+        let step = message["step"].as_i64().context("a step")?;
+        steps.entry(order.to_owned()).or_default().push(step);
+    }
+    Ok(steps)
+}
+
+/// `orders` orders of `steps` steps each, published an order's steps one
+/// after another (its messages land in transactions close together, which
+/// relays taking rows at once would send out of order) and applied by a
+/// worker that relays nothing, announcing each step to `exchange`.
+async fn applied_unsent(
+    env: &Env,
+    exchange: &str,
+    orders: usize,
+    steps: i32,
+) -> anyhow::Result<()> {
+    let events: Vec<_> = (0..orders)
+        .flat_map(|order| (1..=steps).map(move |n| steps::step(&format!("o{order}"), n)))
+        .collect();
+    env.publish_keyed(&events).await?;
+    let mut config = env.worker_config(Mode::Batch, GROUP);
+    config.relay = false;
+    config.batch_size = 16;
+    let handler = steps::Announcing {
+        steps: Steps::default(),
+        exchange: exchange.to_owned(),
+    };
+    let worker = Running::start(config, handler);
+    worker
+        .settled(events.len() as u64, Duration::from_secs(120))
+        .await?;
+    worker.stop().await?;
+    Ok(())
+}
+
+/// Runs `relays` relays of two lanes each at once, each on a pool of its
+/// own, until nothing is due; what they sent and had refused.
+async fn relay_until_empty(env: &Env, exchange: &str, relays: usize) -> anyhow::Result<(u64, u64)> {
+    let mut relay = RelayConfig::new(env.amqp.clone(), patient(Duration::from_secs(10)));
+    relay.outgoing = vec![Exchange::topic(exchange)];
+    relay.batch_size = 4;
+    relay.lanes = 2;
+    relay.until_empty = true;
+    let relays = (0..relays).map(|_| {
+        let mut database = env.database.clone();
+        database.pool_size = relay.connections();
+        let relay = relay.clone();
+        tokio::spawn(async move {
+            let pool = database.pool()?;
+            let counters = RelayCounters::default();
+            let report =
+                idem::relay::run(&pool, &relay, &counters, &CancellationToken::new()).await?;
+            anyhow::Ok(report)
+        })
+    });
+    let (mut sent, mut refused) = (0, 0);
+    for relay in futures::future::join_all(relays).await {
+        let report = relay??;
+        sent += report.sent;
+        refused += report.refused;
+    }
+    Ok((sent, refused))
+}
+
+/// Asserts that `queue` holds the messages of `orders` orders, each
+/// order's steps 1 to `steps` once, in order.
+async fn announced_in_order(
+    env: &Env,
+    queue: &str,
+    orders: usize,
+    steps: i32,
+) -> anyhow::Result<()> {
+    let announced = announced_steps(&drain_queue(env, queue).await?)?;
+    assert_eq!(announced.len(), orders);
+    for (order, announced) in announced {
+        assert_eq!(
+            announced,
+            (1..=i64::from(steps)).collect::<Vec<_>>(),
+            "the messages of {order}"
+        );
+    }
+    Ok(())
+}
+
+/// The messages a key's events send leave in the order the events applied,
+/// with six relays of two lanes each at work on the outbox at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_outgoing_messages_leave_in_order_with_several_relays() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(4, &[]), |env| async move {
+        let (exchange, queue) = env.announced();
+        env.declare_announced().await?;
+        let (orders, steps) = (100, 6);
+        applied_unsent(&env, &exchange, orders, steps).await?;
+        let (sent, refused) = relay_until_empty(&env, &exchange, 6).await?;
+        assert_eq!((sent, refused), ((orders * steps as usize) as u64, 0));
+        announced_in_order(&env, &queue, orders, steps).await
+    })
+    .await
+}
+
+/// A message the broker refuses waits for its next attempt, and its key's
+/// later messages wait behind it, though the broker takes them by then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_message_holds_its_key_s_later_messages_back() -> anyhow::Result<()> {
+    with_env::<Steps, _, _>(steps::topology(4, &[]), |env| async move {
+        let (exchange, queue) = env.announced();
+        env.declare_announced().await?;
+        let (orders, steps) = (20, 4);
+        applied_unsent(&env, &exchange, orders, steps).await?;
+        // Nothing routes: every message is refused or held back.
+        let channel = env.connection.create_channel().await?;
+        channel
+            .queue_unbind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                FieldTable::default(),
+            )
+            .await?;
+        let (sent, refused) = relay_until_empty(&env, &exchange, 1).await?;
+        assert_eq!(sent, 0);
+        assert!(refused > 0);
+        let held = "SELECT count(*) FROM mq_outbox WHERE attempts = 0";
+        assert!(env.number(held).await? > 0, "later messages held back");
+        // Routed again: the held messages are due, but not before their
+        // keys' refused ones.
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        channel.close(200, "OK".into()).await?;
+        let (sent, _) = relay_until_empty(&env, &exchange, 1).await?;
+        assert_eq!(sent, 0, "nothing sent ahead of a refused message");
+        wait_for(
+            "the refused messages due",
+            Duration::from_secs(30),
+            || async {
+                Ok(env
+                    .number("SELECT count(*) FROM mq_outbox WHERE next_attempt_at > now()")
+                    .await?
+                    == 0)
+            },
+        )
+        .await?;
+        let (sent, refused) = relay_until_empty(&env, &exchange, 2).await?;
+        assert_eq!((sent, refused), ((orders * steps as usize) as u64, 0));
+        announced_in_order(&env, &queue, orders, steps).await
     })
     .await
 }

@@ -7,7 +7,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use idem::{Handler, HandlerError, Invalid, Migration, Outbox, RetryPolicy, Topology, Transaction};
+use idem::{
+    Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, RetryPolicy, Topology,
+    Transaction,
+};
 
 /// `{"eventId": "o7-step-2", "order": "o7", "step": 2}`
 #[derive(Debug, serde::Deserialize)]
@@ -185,5 +188,53 @@ impl Handler for Steps {
             .await?;
         }
         Ok(())
+    }
+}
+
+/// [`Steps`], announcing each step it applies to an exchange: a message
+/// per step, `{"order": "o7", "step": 2}`, through the outbox.
+#[derive(Debug, Clone)]
+pub struct Announcing {
+    pub steps: Steps,
+    pub exchange: String,
+}
+
+impl Handler for Announcing {
+    type Event = Step;
+
+    const NAME: &'static str = Steps::NAME;
+
+    const MIGRATIONS: &'static [Migration] = Steps::MIGRATIONS;
+
+    const SENDS_MESSAGES: bool = true;
+
+    fn decode(&self, body: &[u8]) -> Result<Step, Invalid> {
+        self.steps.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e Step) -> &'e str {
+        self.steps.event_id(event)
+    }
+
+    fn ordering_key<'e>(&self, event: &'e Step) -> Option<&'e str> {
+        self.steps.ordering_key(event)
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        events: &[&Step],
+        outbox: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
+        self.steps.apply(tx, events, outbox).await
+    }
+
+    fn outgoing(&self, event: &Step) -> Vec<OutboxMessage> {
+        let body = serde_json::json!({"order": event.order, "step": event.step});
+        vec![OutboxMessage::json(
+            &self.exchange,
+            "order.stepped",
+            body.to_string().into_bytes(),
+        )]
     }
 }

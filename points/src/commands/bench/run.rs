@@ -472,6 +472,8 @@ impl<'a> Bench<'a> {
                         headers: message.headers,
                         body: message.body,
                         attempts: 0,
+                        ordering_key: None,
+                        held: false,
                     })
             })
             .map(|unsent| idem::relay::outgoing(&unsent))
