@@ -817,3 +817,65 @@ async fn a_refused_message_holds_its_key_s_later_messages_back() -> anyhow::Resu
     })
     .await
 }
+
+/// A head dead-lettered from its parked key (out of attempts on a retry)
+/// sends what the handler's `given_up` says, once, as one dead-lettered
+/// from its slot does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_dead_lettered_from_its_parked_key_sends_its_given_up_message() -> anyhow::Result<()>
+{
+    let mut topology = steps::topology(2, &[Duration::from_millis(200)]);
+    topology.retry = topology.retry.with_attempts(2);
+    with_env::<Steps, _, _>(topology, |env| async move {
+        let (exchange, queue) = env.announced();
+        env.declare_announced().await?;
+        let handler = steps::Announcing {
+            steps: Steps::default(),
+            exchange: exchange.clone(),
+        };
+        handler.steps.stall("late");
+        let messages: Vec<_> = (1..=2)
+            .flat_map(|n| [steps::step("late", n), steps::step("other", n)])
+            .collect();
+        env.publish_keyed(&messages).await?;
+        let mut config = env.worker_config(Mode::Batch, GROUP);
+        config.outgoing = vec![Exchange::topic(&exchange)];
+        let worker = Running::start(config, handler);
+        wait_for(
+            "the late head dead-lettered from its parked key",
+            Duration::from_secs(30),
+            || async {
+                Ok(env
+                    .number("SELECT count(*) FROM mq_parked_key WHERE head_dead")
+                    .await?
+                    == 1)
+            },
+        )
+        .await?;
+        wait_for("every message sent", Duration::from_secs(30), || async {
+            Ok(env
+                .number("SELECT count(*) FROM mq_outbox_message WHERE sent_at IS NULL")
+                .await?
+                == 0)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+        let mut bodies: Vec<String> = drain_queue(&env, &queue)
+            .await?
+            .into_iter()
+            .map(String::from_utf8)
+            .collect::<Result<_, _>>()?;
+        bodies.sort();
+        assert_eq!(
+            bodies,
+            [
+                r#"{"givenUp":1,"order":"late"}"#,
+                r#"{"order":"other","step":1}"#,
+                r#"{"order":"other","step":2}"#,
+            ]
+        );
+        Ok(())
+    })
+    .await
+}

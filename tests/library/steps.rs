@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use idem::{
-    Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, RetryPolicy, Topology,
-    Transaction,
+    GivenUp, Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, RetryPolicy,
+    Topology, Transaction,
 };
 
 /// `{"eventId": "o7-step-2", "order": "o7", "step": 2}`
@@ -234,6 +234,19 @@ impl Handler for Announcing {
         vec![OutboxMessage::json(
             &self.exchange,
             "order.stepped",
+            body.to_string().into_bytes(),
+        )]
+    }
+
+    /// `{"order": "o7", "givenUp": 2}` for a step dead-lettered.
+    fn given_up(&self, given_up: &GivenUp<'_, Step>) -> Vec<OutboxMessage> {
+        let GivenUp::Event { event, .. } = given_up else {
+            return Vec::new();
+        };
+        let body = serde_json::json!({"order": event.order, "givenUp": event.step});
+        vec![OutboxMessage::json(
+            &self.exchange,
+            "order.given-up",
             body.to_string().into_bytes(),
         )]
     }
