@@ -36,8 +36,34 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             events: &lookup_events,
         };
 
+        // Each body's ordering key, when its event names one: what the
+        // runs on an ordered queue publish it with.
+        let handler = (self.make)();
+        let keys: HashMap<Vec<u8>, String> = config
+            .events
+            .iter()
+            .filter_map(|body| {
+                let event = handler.decode(body).ok()?;
+                let key = handler.ordering_key(&event)?.to_owned();
+                Some((body.clone(), key))
+            })
+            .collect();
+        let keyed: Vec<(&str, &str)> = events
+            .iter()
+            .filter_map(|event| {
+                let key = keys.get(&event.body)?;
+                Some((key.as_str(), event.id.as_str()))
+            })
+            .collect();
+
         let (tables, expected) = self.references(&events, &lookup, &mut report).await?;
         let reference = (!report.order_matters).then_some(&expected);
+        if report.order_matters && !keyed.is_empty() {
+            self.keys_backwards(&events, &keys, &tables, &expected, &lookup, &mut report)
+                .await?;
+        }
+        let ordered_reference =
+            (!report.order_matters || report.order_within_keys_only).then_some(&expected);
 
         // Batch equivalence, on two cuts of the events.
         report.runs.push(
@@ -59,11 +85,19 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             prefix: &self.queue_prefix(),
             bodies: &config.events,
             events: &bodies,
+            keys: &keys,
+            keyed: &keyed,
             max_attempts: config.max_attempts,
             seed: config.seed,
             patience: config.patience,
         };
-        for plan in runs::plans(config.copies, config.batch_size, config.seed) {
+        let ordered = !keys.is_empty();
+        for plan in runs::plans(config.copies, config.batch_size, config.seed, ordered) {
+            let reference = if plan.slots > 0 {
+                ordered_reference
+            } else {
+                reference
+            };
             let row = self
                 .worker_run(&rig, &plan, &events, &tables, reference, &lookup)
                 .await;
@@ -202,6 +236,51 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         }
         reversed_row.seconds = started.elapsed().as_secs_f64();
         report.runs.push(reversed_row);
+        Ok(())
+    }
+
+    /// The reference with the keys interleaved backwards, each key's
+    /// events in their order (those without a key reversed too), which
+    /// tells whether the order matters only within a key; its row goes
+    /// into `report`.
+    async fn keys_backwards(
+        &self,
+        events: &[&Event<G::Event>],
+        keys: &HashMap<Vec<u8>, String>,
+        tables: &Tables,
+        expected: &Observed,
+        lookup: &Lookup<'_>,
+        report: &mut CheckReport,
+    ) -> Result<(), CheckError> {
+        let started = Instant::now();
+        let backwards = keys_backwards(events, |event| keys.get(&event.body));
+        let scratch = self.scratch("keys_backwards", 2).await?;
+        let fates = self.one_at_a_time(&scratch, &backwards).await?;
+        let observed = self.observe(&scratch, tables, Some(fates)).await?;
+        let rows = state::differences(&expected.state, &observed.state);
+        let fate_changes = fate_differences(&expected.fates, &observed.fates);
+        report.order_within_keys_only = rows.is_empty() && fate_changes.is_empty();
+        let mut row = self.row(
+            "reference · keys interleaved backwards",
+            events,
+            &observed,
+            None,
+            lookup,
+        );
+        row.findings.push(if report.order_within_keys_only {
+            "the effect depends on the order only within each key: the runs on an ordered queue \
+             are compared with the reference's rows"
+                .to_owned()
+        } else {
+            format!(
+                "the effect depends on the order across keys too ({} rows and {} events' fates \
+                 differ): the runs on an ordered queue are judged as the others",
+                rows.len(),
+                fate_changes.len()
+            )
+        });
+        row.seconds = started.elapsed().as_secs_f64();
+        report.runs.push(row);
         Ok(())
     }
 
@@ -534,6 +613,13 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                 let mut row = self.row(&plan.name, events, &observed, reference, lookup);
                 row.duplicates = Some(ran.duplicates);
                 row.strikes = Some(ran.strikes);
+                if plan.slots > 0 {
+                    let out_of_order =
+                        out_of_order(&scratch, &self.config.consumer_group, rig.keyed).await?;
+                    row.out_of_order = out_of_order.len();
+                    row.findings
+                        .extend(first_few(out_of_order, "keys out of order", ""));
+                }
                 if ran.retried > 0 && plan.fault != runs::Fault::CutDatabase {
                     let (count, verb) = match ran.retried {
                         1 => ("1 transaction".to_owned(), "was"),
@@ -647,4 +733,125 @@ pub(super) async fn witness_count(
         .await
         .map_err(|error| crate::store::describe(&error))?;
     count_of(&row)
+}
+
+/// The keys of `keyed` (each key and event id, in the order they were
+/// sent) whose applied events did not apply in that order, as the
+/// transactions that recorded them began, each with the first two events
+/// that show it. (A key's events in one transaction apply in their order,
+/// in rounds; its next transaction begins after that one commits.)
+pub(super) async fn out_of_order(
+    scratch: &Scratch,
+    consumer_group: &str,
+    keyed: &[(&str, &str)],
+) -> Result<Vec<String>, CheckError> {
+    let read =
+        |error: tokio_postgres::Error| CheckError::database("reading a run's records", &error);
+    let client = scratch
+        .pool
+        .get()
+        .await
+        .map_err(|error| CheckError::Failed(error.into()))?;
+    let rows = client
+        .query(
+            "SELECT event_id::text, consumed_at FROM mq_consume_record WHERE consumer_group = $1",
+            &[&consumer_group],
+        )
+        .await
+        .map_err(read)?;
+    let mut applied_at = HashMap::new();
+    for row in rows {
+        let id: String = row.try_get(0).map_err(read)?;
+        let at: std::time::SystemTime = row.try_get(1).map_err(read)?;
+        applied_at.insert(id, at);
+    }
+    Ok(keys_out_of_order(keyed, &applied_at))
+}
+
+/// The keys of `keyed` whose events' times in `applied_at` go back, each
+/// with the first two events that show it.
+fn keys_out_of_order<T: Ord + Copy>(
+    keyed: &[(&str, &str)],
+    applied_at: &HashMap<String, T>,
+) -> Vec<String> {
+    // Per key, the last applied event seen so far, in the order sent.
+    let mut last: HashMap<&str, (&str, T)> = HashMap::new();
+    let mut broken: Vec<String> = Vec::new();
+    let mut told = std::collections::HashSet::new();
+    for &(key, id) in keyed {
+        let Some(&at) = applied_at.get(id) else {
+            continue;
+        };
+        if let Some(&(before, before_at)) = last.get(key)
+            && at < before_at
+            && told.insert(key)
+        {
+            broken.push(format!(
+                "key {key}: {id} applied before {before}, which was sent before it"
+            ));
+        }
+        last.insert(key, (id, at));
+    }
+    broken
+}
+
+/// `events` backwards, except that each key's events keep their order:
+/// each key's places in the reversed list take its events in their order.
+pub(super) fn keys_backwards<'e, E, K: Eq + std::hash::Hash>(
+    events: &[&'e E],
+    key_of: impl Fn(&E) -> Option<K>,
+) -> Vec<&'e E> {
+    let reversed: Vec<&'e E> = events.iter().rev().copied().collect();
+    let mut in_order: HashMap<K, std::collections::VecDeque<&'e E>> = HashMap::new();
+    for &event in events {
+        if let Some(key) = key_of(event) {
+            in_order.entry(key).or_default().push_back(event);
+        }
+    }
+    reversed
+        .into_iter()
+        .map(|event| {
+            key_of(event)
+                .and_then(|key| in_order.get_mut(&key)?.pop_front())
+                .unwrap_or(event)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_backwards_reverses_the_keys_and_keeps_each_key_s_order() {
+        let events = ["a1", "b1", "x", "a2", "c1", "b2", "y"];
+        let refs: Vec<&&str> = events.iter().collect();
+        let key = |event: &&str| (event.len() == 2).then(|| event.as_bytes()[0]);
+        let backwards: Vec<&str> = keys_backwards(&refs, key).into_iter().copied().collect();
+        assert_eq!(backwards, ["y", "b1", "c1", "a1", "x", "b2", "a2"]);
+    }
+
+    #[test]
+    fn a_key_whose_later_event_applied_first_is_out_of_order_once() {
+        let keyed = [
+            ("a", "a1"),
+            ("b", "b1"),
+            ("a", "a2"),
+            ("b", "b2"),
+            ("a", "a3"),
+            ("b", "b3"),
+        ];
+        // b2 never applied; a's third and second in one transaction.
+        let at = [("a1", 1), ("a2", 5), ("a3", 5), ("b1", 4), ("b3", 2)];
+        let at: HashMap<String, i32> = at.iter().map(|(id, t)| ((*id).to_owned(), *t)).collect();
+        assert_eq!(
+            keys_out_of_order(&keyed, &at),
+            ["key b: b3 applied before b1, which was sent before it"]
+        );
+        let swapped: HashMap<String, i32> = at.into_iter().map(|(id, t)| (id, -t)).collect();
+        assert_eq!(
+            keys_out_of_order(&keyed, &swapped),
+            ["key a: a2 applied before a1, which was sent before it"]
+        );
+    }
 }

@@ -29,6 +29,11 @@ pub struct CheckReport {
     /// then judged by the invariants, the witness and idem's accounts, not
     /// by the reference's rows.
     pub order_matters: bool,
+    /// Whether the effect depends on the order only within each ordering
+    /// key (the events applied with the keys interleaved backwards, each
+    /// key's in its order, end where the file's order did): the runs on an
+    /// ordered queue are then compared with the reference's rows.
+    pub order_within_keys_only: bool,
     /// The references and the runs, in order.
     pub runs: Vec<RunReport>,
     /// How long the check took, in seconds.
@@ -60,6 +65,9 @@ pub struct RunReport {
     pub diverged: Option<usize>,
     /// Rows the invariants returned.
     pub violations: usize,
+    /// Keys whose events applied out of the order they were sent in (runs
+    /// on an ordered queue only).
+    pub out_of_order: usize,
     /// Workers killed, connections cut or transactions failed on purpose.
     pub strikes: Option<usize>,
     /// What it found wrong, first ones first.
@@ -78,6 +86,7 @@ impl RunReport {
             && self.lost == 0
             && self.diverged.unwrap_or(0) == 0
             && self.violations == 0
+            && self.out_of_order == 0
     }
 
     /// What went wrong, in a few words.
@@ -91,6 +100,7 @@ impl RunReport {
             (self.lost, "lost"),
             (self.diverged.unwrap_or(0), "diverged"),
             (self.violations, "broke an invariant"),
+            (self.out_of_order, "keys out of order"),
         ] {
             if count > 0 {
                 trouble.push(format!("{count} {what}"));
@@ -172,7 +182,8 @@ impl fmt::Display for CheckReport {
         writeln!(
             f,
             "Cells: events; diverged: rows, messages and fates unlike the reference's (— when the order of \
-             the events matters); invariant: rows the invariants returned."
+             the events matters: on an ordered queue, across keys); invariant: rows the invariants \
+             returned."
         )?;
         writeln!(f)?;
         let header = format!(

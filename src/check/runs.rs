@@ -14,7 +14,7 @@
 //! Over 700 lines: the runs share their rig (the scratch schemas, the
 //! proxies, the probe) and read best beside each other.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -87,14 +87,21 @@ pub(crate) struct Plan {
     pub(crate) shuffled: bool,
     /// Deliveries per batch, in batch mode.
     pub(crate) batch_size: usize,
+    /// The slots of its ordered queue (each event published with its
+    /// ordering key); 0 for an unordered one.
+    pub(crate) slots: u16,
 }
 
 /// How many times a run's fault strikes.
 pub(crate) const STRIKES: usize = 3;
 
+/// The slots of an ordered run's queue.
+pub(crate) const ORDERED_SLOTS: u16 = 4;
+
 /// Every run, in the order of the report: `copies` at once in the copies
-/// runs, batches of `batch_size`, orders drawn from `seed`.
-pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
+/// runs, batches of `batch_size`, orders drawn from `seed`; with
+/// `ordered` (the handler names keys), the runs on an ordered queue too.
+pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64, ordered: bool) -> Vec<Plan> {
     const BOTH: &[Mode] = &[Mode::Batch, Mode::PerMessage];
     const BATCH: &[Mode] = &[Mode::Batch];
     let copies_at_once = format!("{copies} copies at once");
@@ -112,8 +119,20 @@ pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
         ("late copies, replayed dead letters", "replay", BATCH, Fault::Replay, 1, 1),
         ("another order, batches of 7", "order", BATCH, Fault::None, 1, 1),
     ];
+    // Where a key's order can break: workers sharing the slots, a worker
+    // killed and its slots taken over, heads that fail (retried while
+    // their keys are parked, then dead-lettered and replayed).
+    #[rustfmt::skip]
+    let ordered_runs: [Run<'_>; 3] = [
+        ("ordered: 2 workers on the slots", "ordered_shared", BOTH, Fault::None, 2, 1),
+        ("ordered: killed, slots taken over", "ordered_killed", BATCH, Fault::Kill(Moment::AfterCommit), 2, 1),
+        ("ordered: heads failed, replayed", "ordered_replay", BATCH, Fault::Replay, 1, 1),
+    ];
+    let ordered_runs = if ordered { &ordered_runs[..] } else { &[] };
     let mut plans = Vec::new();
-    for (name, slug, modes, fault, workers, copies) in runs {
+    let unordered = runs.iter().map(|run| (run, 0));
+    let ordered = ordered_runs.iter().map(|run| (run, ORDERED_SLOTS));
+    for (&(name, slug, modes, fault, workers, copies), slots) in unordered.chain(ordered) {
         for &mode in modes {
             plans.push(Plan {
                 name: format!("{name} · {}", mode_name(mode)),
@@ -129,10 +148,11 @@ pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64) -> Vec<Plan> {
                 fault,
                 shuffled: false,
                 batch_size,
+                slots,
             });
         }
     }
-    if let Some(order) = plans.last_mut() {
+    if let Some(order) = plans.iter_mut().find(|plan| plan.slug == "order_batch") {
         order.shuffled = true;
         order.batch_size = 7;
     }
@@ -161,6 +181,11 @@ pub(crate) struct Rig<'a, F> {
     pub(crate) bodies: &'a [Vec<u8>],
     /// Distinct valid events: their ids and a body of each.
     pub(crate) events: &'a [(String, Vec<u8>)],
+    /// The ordering key of each body that decodes to an event with one.
+    pub(crate) keys: &'a HashMap<Vec<u8>, String>,
+    /// The distinct valid events with a key, in the file's order: each
+    /// key and event id.
+    pub(crate) keyed: &'a [(&'a str, &'a str)],
     pub(crate) max_attempts: u32,
     pub(crate) seed: u64,
     /// How long a run may take to settle.
@@ -186,15 +211,17 @@ pub(crate) struct Ran {
     pub(crate) strikes: usize,
 }
 
-/// The topology of the run named `slug`, its names starting with
-/// `prefix`: queues of its own, retries at once (no wait queue), one
-/// replica. The worker's attempts are set apart, per run.
-pub(crate) fn topology(prefix: &str, slug: &str) -> Topology {
-    let name = format!("{prefix}.{slug}");
+/// The topology of the run `plan`, its names starting with `prefix`:
+/// queues of its own (its slots, when ordered), retries at once (no wait
+/// queue), one replica. The worker's attempts are set apart, per run.
+pub(crate) fn topology(prefix: &str, plan: &Plan) -> Topology {
+    let name = format!("{prefix}.{}", plan.slug);
     Topology {
         retry: RetryPolicy::at_once(RetryPolicy::DEFAULT_ATTEMPTS),
         quorum_size: 1,
-        ..Topology::for_queue(&name).bound_to(&format!("{name}.events"), "event")
+        ..Topology::for_queue(&name)
+            .bound_to(&format!("{name}.events"), "event")
+            .ordered(plan.slots)
     }
 }
 
@@ -202,8 +229,8 @@ pub(crate) fn topology(prefix: &str, slug: &str) -> Topology {
 /// `prefix`, those of runs that did not finish among them.
 pub(crate) async fn remove(connection: &Connection, prefix: &str) -> Result<(), CheckError> {
     let channel = connection.create_channel().await.map_err(broker)?;
-    for plan in plans(2, 2, 0) {
-        topology(prefix, &plan.slug)
+    for plan in plans(2, 2, 0, true) {
+        topology(prefix, &plan)
             .delete(&channel)
             .await
             .map_err(broker)?;
@@ -216,7 +243,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
     /// Runs `plan` on `scratch` (made for it) and waits until everything
     /// sent is settled.
     pub(crate) async fn run(&self, plan: &Plan, scratch: &Scratch) -> Result<Ran, CheckError> {
-        let topology = topology(self.prefix, &plan.slug);
+        let topology = topology(self.prefix, plan);
         let channel = self.connection.create_channel().await.map_err(broker)?;
         topology.delete(&channel).await.map_err(broker)?;
         close_channel(&channel).await;
@@ -388,11 +415,12 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
             self.start().await?;
         }
         self.until_consuming().await?;
-        crate::trial::publish(
+        crate::trial::publish_keyed(
             self.rig.amqp,
             &self.topology.exchange,
             &self.topology.routing_key,
             bodies,
+            |body| self.rig.keys.get(body).cloned(),
             self.rig.patience,
         )
         .await
@@ -442,7 +470,8 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
         Ok(settled == events)
     }
 
-    /// Events applied or dead-lettered, of how many.
+    /// Events applied, dead-lettered or parked behind a dead letter (on an
+    /// ordered queue, until a replay), of how many.
     async fn settled(&self) -> Result<(usize, usize), CheckError> {
         let ids: Vec<&str> = self.rig.events.iter().map(|(id, _)| id.as_str()).collect();
         let client = self
@@ -452,7 +481,30 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
             .await
             .map_err(|error| CheckError::Failed(error.into()))?;
         let fates = super::fates_of(&client, self.rig.consumer_group, &ids).await?;
-        Ok((fates.applied.len() + fates.dead.len(), ids.len()))
+        let behind_dead: HashSet<String> = if self.topology.is_ordered() {
+            client
+                .query(
+                    "SELECT event.event_id::text FROM mq_parked_event AS event \
+                     JOIN mq_parked_key AS key USING (consumer_group, ordering_key) \
+                     WHERE event.consumer_group = $1 AND key.head_dead",
+                    &[&self.rig.consumer_group],
+                )
+                .await
+                .and_then(|rows| rows.iter().map(|row| row.try_get(0)).collect())
+                .map_err(|error| CheckError::database("reading the parked events", &error))?
+        } else {
+            HashSet::new()
+        };
+        // Each event once, though a dead head is parked too.
+        let settled = ids
+            .iter()
+            .filter(|id| {
+                fates.applied.contains(**id)
+                    || fates.dead.contains_key(**id)
+                    || behind_dead.contains(**id)
+            })
+            .count();
+        Ok((settled, ids.len()))
     }
 
     /// Where a run that did not settle stands, for its error.
@@ -470,26 +522,44 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Crew<'_, '_, F> {
         format!("{settled}, {ready} messages ready in the work queue")
     }
 
-    /// Messages ready in the work queue.
+    /// Messages ready in the queues the workers consume (the work queue,
+    /// or its slots).
     async fn ready(&self) -> Result<u32, CheckError> {
-        let channel = self.rig.connection.create_channel().await.map_err(broker)?;
-        let counts = queue_counts(&channel, &self.topology.queue)
-            .await
-            .map_err(broker);
-        close_channel(&channel).await;
-        Ok(counts?.0)
+        Ok(self.counts().await?.iter().map(|(ready, _)| ready).sum())
     }
 
-    /// Waits until the work queue has as many consumers as workers alive.
+    /// Messages ready and consumers of each queue the workers consume.
+    async fn counts(&self) -> Result<Vec<(u32, u32)>, CheckError> {
+        let channel = self.rig.connection.create_channel().await.map_err(broker)?;
+        let mut counts = Vec::new();
+        for queue in self.topology.consumed_queues() {
+            match queue_counts(&channel, &queue).await {
+                Ok(count) => counts.push(count),
+                Err(error) => {
+                    close_channel(&channel).await;
+                    return Err(broker(error));
+                }
+            }
+        }
+        close_channel(&channel).await;
+        Ok(counts)
+    }
+
+    /// Waits until the work queue has as many consumers as workers alive
+    /// (an ordered queue: until each slot has one).
     async fn until_consuming(&self) -> Result<(), CheckError> {
         let deadline = Instant::now() + self.rig.patience;
+        let wanted = if self.topology.is_ordered() {
+            1
+        } else {
+            self.alive.len()
+        };
         loop {
-            let channel = self.rig.connection.create_channel().await.map_err(broker)?;
-            let counts = queue_counts(&channel, &self.topology.queue)
-                .await
-                .map_err(broker);
-            close_channel(&channel).await;
-            if counts?.1 as usize >= self.alive.len() {
+            let counts = self.counts().await?;
+            if counts
+                .iter()
+                .all(|(_, consumers)| *consumers as usize >= wanted)
+            {
                 return Ok(());
             }
             if let Some(failed) = self.alive.iter().find(|worker| worker.task.is_finished()) {

@@ -72,9 +72,28 @@ pub async fn publish(
     bodies: &[Vec<u8>],
     patience: Duration,
 ) -> anyhow::Result<()> {
+    publish_keyed(amqp, exchange, routing_key, bodies, |_| None, patience).await
+}
+
+/// [`publish`], each body with the ordering key `key_of` gives it, if
+/// any, in its header (as an ordered queue's producer sends it).
+pub async fn publish_keyed(
+    amqp: &AmqpConfig,
+    exchange: &str,
+    routing_key: &str,
+    bodies: &[Vec<u8>],
+    key_of: impl Fn(&[u8]) -> Option<String>,
+    patience: Duration,
+) -> anyhow::Result<()> {
     let messages: Vec<Outgoing> = bodies
         .iter()
-        .map(|body| Outgoing::json(exchange, routing_key, body.clone()))
+        .map(|body| {
+            let message = Outgoing::json(exchange, routing_key, body.clone());
+            match key_of(body) {
+                Some(key) => message.with_ordering_key(&key),
+                None => message,
+            }
+        })
         .collect();
     let options = PublishOptions {
         window: 256,

@@ -7,5 +7,5 @@ mod load;
 pub mod proxy;
 mod tally;
 
-pub use load::{Load, Repeats, publish};
+pub use load::{Load, Repeats, publish, publish_keyed};
 pub use tally::Exactness;

@@ -879,3 +879,37 @@ async fn a_head_dead_lettered_from_its_parked_key_sends_its_given_up_message() -
     })
     .await
 }
+
+/// `check` on a handler that names keys adds runs on an ordered queue
+/// (workers sharing the slots, one killed, heads failed then replayed),
+/// and a worker that keeps each key's order passes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_of_an_ordered_handler_runs_ordered_runs_and_passes() -> anyhow::Result<()> {
+    let events: Vec<Vec<u8>> = steps::interleaved(40, 4)
+        .into_iter()
+        .map(|(body, _)| body)
+        .collect();
+    let database = idem::DatabaseConfig::new(idem::SecretUrl::new(crate::support::database_url()));
+    let amqp = idem::AmqpConfig::new(idem::SecretUrl::new(crate::support::amqp_url()));
+    let mut config = idem::check::CheckConfig::new(amqp, database, GROUP, events);
+    config.patience = patient(idem::check::CheckConfig::DEFAULT_PATIENCE);
+    let report = idem::check::run(&config, Steps::default).await?;
+    assert!(report.passed(), "{report}");
+    assert!(report.order_matters, "{report}");
+    assert!(report.order_within_keys_only, "{report}");
+    let ordered: Vec<_> = report
+        .runs
+        .iter()
+        .filter(|run| run.name.starts_with("ordered"))
+        .collect();
+    assert_eq!(ordered.len(), 4, "{report}");
+    for run in ordered {
+        assert_eq!((run.applied, run.dead_lettered), (160, 0), "{report}");
+        assert_eq!(
+            run.diverged,
+            Some(0),
+            "compared with the reference: {report}"
+        );
+    }
+    Ok(())
+}
