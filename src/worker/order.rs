@@ -181,6 +181,45 @@ impl<H: Handler> Processor<H> {
         self.handler().ordering_key(&item.event).unwrap_or_default()
     }
 
+    /// For a handler whose effect is a tally (sums per key, the same in
+    /// any order) and that sends no message: the events of `items` whose
+    /// keys are not parked in one transaction rather than a round each, so
+    /// that a batch of many events per key commits once. What is left (the
+    /// events of parked keys; all of them when that transaction fails)
+    /// comes back for the rounds, which find the failing head.
+    async fn merged_rounds(
+        &self,
+        items: Vec<Item<H::Event>>,
+        parked: &HashSet<String>,
+        decided: &mut Decided,
+    ) -> Vec<Item<H::Event>> {
+        if H::SENDS_MESSAGES || self.handler().tally().is_none() {
+            return items;
+        }
+        // A key with an event redelivered (which may be out of attempts)
+        // goes by rounds whole, so that none of its events passes another.
+        let by_rounds: HashSet<String> = items
+            .iter()
+            .filter(|item| item.delivery.redelivered)
+            .map(|item| self.key(item).to_owned())
+            .chain(parked.iter().cloned())
+            .collect();
+        let (free, held): (Vec<_>, Vec<_>) = items
+            .into_iter()
+            .partition(|item| !by_rounds.contains(self.key(item)));
+        let keys: HashSet<&str> = free.iter().map(|item| self.key(item)).collect();
+        // One event per key is one round anyway.
+        if keys.len() == free.len() {
+            drop(keys);
+            return free.into_iter().chain(held).collect();
+        }
+        drop(keys);
+        match self.apply_whole(free, decided).await {
+            Ok(()) => held,
+            Err(free) => free.into_iter().chain(held).collect(),
+        }
+    }
+
     /// Applies `items` of one slot in their order per key: round by round,
     /// each round the first undecided event of each key that is not parked;
     /// the events of parked keys are parked behind their heads.
@@ -209,6 +248,7 @@ impl<H: Handler> Processor<H> {
                 return;
             }
         };
+        let items = self.merged_rounds(items, &parked, decided).await;
         let mut pending: VecDeque<Item<H::Event>> = items.into();
         // Events of keys past the bound of events per key, in their order:
         // they wait until the rest of the batch is done, then try again.

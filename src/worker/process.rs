@@ -365,6 +365,38 @@ impl<H: Handler> Processor<H> {
         }
     }
 
+    /// Applies `items`, none redelivered, in one transaction, and acks
+    /// them; when that fails for any reason, gives them back undecided,
+    /// for the caller to apply another way.
+    pub(super) async fn apply_whole(
+        &self,
+        items: Vec<Item<H::Event>>,
+        decided: &mut Decided,
+    ) -> Result<(), Vec<Item<H::Event>>> {
+        let events: Vec<&H::Event> = items.iter().map(|item| &item.event).collect();
+        let first_deliveries = !items.iter().any(|item| {
+            may_follow_an_attempt(
+                item.delivery.redelivered,
+                item.delivery.properties.headers().as_ref(),
+            )
+        });
+        let Ok(mut claimed) = self.commit_on_disk(&events, first_deliveries, None).await else {
+            drop(events);
+            return Err(items);
+        };
+        if self.probe.is_some() {
+            let ids: Vec<&str> = items.iter().map(|item| self.event_id(item)).collect();
+            probe::reach(&self.probe, Point::AfterCommit, &ids).await;
+        }
+        let went_in: Vec<bool> = items
+            .iter()
+            .map(|item| claimed.take(self.event_id(item)))
+            .collect();
+        drop(events);
+        self.acked(items, &went_in, decided);
+        Ok(())
+    }
+
     /// Commits `events` and returns what they claimed once a flush found it
     /// on disk: a commit that did not wait for its own flush waits for a
     /// flush to find its records, and runs again when one did not (an event

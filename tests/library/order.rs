@@ -913,3 +913,56 @@ async fn a_check_of_an_ordered_handler_runs_ordered_runs_and_passes() -> anyhow:
     }
     Ok(())
 }
+
+/// Transactions the worker ran so far (its batch-size histogram's count).
+fn transactions(worker: &Running) -> anyhow::Result<u64> {
+    let metrics = worker.stats.encode();
+    let line = metrics
+        .lines()
+        .find(|line| line.starts_with("idem_batch_size_count"))
+        .context("a batch size count")?;
+    Ok(line.rsplit(' ').next().context("a count")?.parse()?)
+}
+
+/// A tally (the same in any order) that sends nothing commits a batch
+/// holding several events of a key at once instead of a round each; a
+/// key whose events fail is still parked, none of them applied, while
+/// every other key's apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tally_commits_a_key_s_events_together_and_still_parks_a_failing_key()
+-> anyhow::Result<()> {
+    with_env::<steps::Totals, _, _>(steps::topology(1, &[Duration::from_secs(60)]), |env| async move {
+        let (orders, steps) = (20, 5);
+        // Each order's steps one after another: by rounds, the batch that
+        // holds an order's five takes five transactions.
+        let events: Vec<_> = (0..orders)
+            .flat_map(|order| (1..=steps).map(move |n| steps::step(&format!("o{order}"), n)))
+            .collect();
+        env.publish_keyed(&events).await?;
+        let worker = Running::start(env.worker_config(Mode::Batch, GROUP), steps::Totals);
+        worker.settled(events.len() as u64, Duration::from_secs(60)).await?;
+        let merged = transactions(&worker)?;
+        assert!(merged < 5, "{merged} transactions for {} events", events.len());
+        let poisoned: Vec<_> = (1..=3)
+            .flat_map(|n| [steps::step("poisoned", n), steps::step("later", n)])
+            .collect();
+        env.publish_keyed(&poisoned).await?;
+        wait_for("the poisoned order parked, the later one applied", Duration::from_secs(30), || async {
+            Ok(env.number("SELECT count(*) FROM mq_parked_event").await? == 3
+                && env.number("SELECT coalesce(sum(steps), 0)::bigint FROM order_total WHERE order_id = 'later'").await? == 6)
+        })
+        .await?;
+        let stats = worker.stop().await?;
+        assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+        assert_eq!(
+            env.number("SELECT count(*) FROM order_total WHERE order_id = 'poisoned'").await?,
+            0
+        );
+        let total = env
+            .number("SELECT sum(steps)::bigint FROM order_total WHERE order_id <> 'later'")
+            .await?;
+        assert_eq!(total, orders as i64 * 15, "every order's steps, once");
+        Ok(())
+    })
+    .await
+}

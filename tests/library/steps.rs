@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use idem::{
-    GivenUp, Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, RetryPolicy,
+    GivenUp, Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, RetryPolicy, Tally,
     Topology, Transaction,
 };
 
@@ -249,5 +249,57 @@ impl Handler for Announcing {
             "order.given-up",
             body.to_string().into_bytes(),
         )]
+    }
+}
+
+/// A tally of each order's steps (`order_total`: the sum of its steps),
+/// a trigger failing every step of an order named `poisoned`: an effect
+/// that is the same in any order, on an ordered queue all the same.
+#[derive(Debug, Clone, Default)]
+pub struct Totals;
+
+fn total_entry(event: &Step) -> (&str, i64) {
+    (&event.order, i64::from(event.step))
+}
+
+impl Handler for Totals {
+    type Event = Step;
+
+    const NAME: &'static str = "totals";
+
+    const MIGRATIONS: &'static [Migration] = &[Migration {
+        version: 1,
+        name: "0001_totals.sql",
+        sql: "CREATE TABLE order_total (order_id TEXT PRIMARY KEY, steps BIGINT NOT NULL);
+              CREATE FUNCTION order_total_poisoned() RETURNS trigger LANGUAGE plpgsql AS $$
+              BEGIN
+                  IF NEW.order_id = 'poisoned' THEN
+                      RAISE EXCEPTION 'order poisoned is poisoned';
+                  END IF;
+                  RETURN NEW;
+              END $$;
+              CREATE TRIGGER order_total_poisoned BEFORE INSERT OR UPDATE ON order_total
+                  FOR EACH ROW EXECUTE FUNCTION order_total_poisoned();",
+    }];
+
+    fn decode(&self, body: &[u8]) -> Result<Step, Invalid> {
+        Ok(serde_json::from_slice(body)?)
+    }
+
+    fn event_id<'e>(&self, event: &'e Step) -> &'e str {
+        &event.event_id
+    }
+
+    fn ordering_key<'e>(&self, event: &'e Step) -> Option<&'e str> {
+        Some(&event.order)
+    }
+
+    fn tally(&self) -> Option<Tally<Step>> {
+        Some(Tally {
+            table: "order_total",
+            key: "order_id",
+            amount: "steps",
+            entry: total_entry,
+        })
     }
 }
