@@ -54,6 +54,9 @@ pub(crate) enum Fault {
     /// Some events fail for a cause that is then fixed; copies of the
     /// others come after they were applied; the dead letters are replayed.
     Replay,
+    /// Some events fail their first attempt alone (a batch that holds one
+    /// is made to fail, so that it goes alone), then apply on a retry.
+    FailOnce,
 }
 
 /// Where a worker is killed.
@@ -123,10 +126,11 @@ pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64, ordered: bool) 
     // killed and its slots taken over, heads that fail (retried while
     // their keys are parked, then dead-lettered and replayed).
     #[rustfmt::skip]
-    let ordered_runs: [Run<'_>; 3] = [
+    let ordered_runs: [Run<'_>; 4] = [
         ("ordered: 2 workers on the slots", "ordered_shared", BOTH, Fault::None, 2, 1),
         ("ordered: killed, slots taken over", "ordered_killed", BATCH, Fault::Kill(Moment::AfterCommit), 2, 1),
         ("ordered: heads failed, replayed", "ordered_replay", BATCH, Fault::Replay, 1, 1),
+        ("ordered: heads failing once", "ordered_retried", BOTH, Fault::FailOnce, 1, 1),
     ];
     let ordered_runs = if ordered { &ordered_runs[..] } else { &[] };
     let mut plans = Vec::new();
@@ -253,7 +257,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
             .map_err(|error| CheckError::Failed(error.into()))?;
         let (kills, killed) = mpsc::unbounded_channel();
         let chosen: HashSet<String> = match plan.fault {
-            Fault::Replay => self
+            Fault::Replay | Fault::FailOnce => self
                 .events
                 .iter()
                 .step_by(20)
@@ -265,7 +269,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Rig<'_, F> {
             fault: plan.fault,
             kills,
             chosen,
-            armed: AtomicBool::new(plan.fault == Fault::Replay),
+            armed: AtomicBool::new(matches!(plan.fault, Fault::Replay | Fault::FailOnce)),
             state: Mutex::default(),
         });
         let mut crew = Crew {
@@ -684,6 +688,8 @@ struct Strikes {
     reached: usize,
     /// Workers struck once already, or whose batch was failed on purpose.
     struck: HashSet<usize>,
+    /// The chosen events that failed their attempt alone ([`Fault::FailOnce`]).
+    failed_once: HashSet<String>,
     broke_batch: HashSet<usize>,
     /// Workers that asked for their death: everything they do now waits
     /// for it.
@@ -761,6 +767,30 @@ impl WorkerProbe {
                 match shared.fault {
                     Fault::CutDatabase => Act::CutDatabase,
                     _ => Act::CutBroker,
+                }
+            }
+            (Fault::FailOnce, Point::BeforeCommit) => {
+                let unfailed: Vec<&str> = events
+                    .iter()
+                    .copied()
+                    .filter(|id| shared.chosen.contains(*id) && !state.failed_once.contains(*id))
+                    .collect();
+                match unfailed.as_slice() {
+                    [] => Act::Go,
+                    [id] if events.len() == 1 => {
+                        state.failed_once.insert((*id).to_owned());
+                        state.strikes += 1;
+                        Act::Fail(
+                            FailureKind::Message,
+                            "idem check: this event fails its first attempt, and applies on a retry"
+                                .into(),
+                        )
+                    }
+                    _ => Act::Fail(
+                        FailureKind::Message,
+                        "idem check: this batch is made to fail, so that an event in it fails alone"
+                            .into(),
+                    ),
                 }
             }
             (Fault::Replay, Point::BeforeCommit)

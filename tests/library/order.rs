@@ -902,7 +902,7 @@ async fn a_check_of_an_ordered_handler_runs_ordered_runs_and_passes() -> anyhow:
         .iter()
         .filter(|run| run.name.starts_with("ordered"))
         .collect();
-    assert_eq!(ordered.len(), 4, "{report}");
+    assert_eq!(ordered.len(), 6, "{report}");
     for run in ordered {
         assert_eq!((run.applied, run.dead_lettered), (160, 0), "{report}");
         assert_eq!(
