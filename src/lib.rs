@@ -163,6 +163,7 @@ pub mod companions;
 pub mod console;
 pub mod dlq;
 pub mod error;
+mod files;
 pub mod handler;
 mod program;
 pub mod relay;

@@ -166,11 +166,8 @@ pub async fn run<H: Handler>(
 }
 
 /// Appends `events` of `key` to `file`, one JSON line each, and syncs it.
-fn keep(file: &PathBuf, key: &str, events: &[ParkedEvent]) -> std::io::Result<()> {
-    let mut out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(file)?;
+fn keep(file: &std::path::Path, key: &str, events: &[ParkedEvent]) -> std::io::Result<()> {
+    let mut out = crate::files::append_private(file)?;
     for event in events {
         let mut line = json!({
             "ordering_key": key,

@@ -224,10 +224,7 @@ async fn pass<H: Handler>(
     };
     let mut discards = match action {
         Action::Discard { file } => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(file)
+            crate::files::append_private(file)
                 .with_context(|| format!("cannot open {} to discard into", file.display()))?,
         ),
         _ => None,

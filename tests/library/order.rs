@@ -63,6 +63,12 @@ async fn no_key_parked(env: &Env) -> anyhow::Result<()> {
     .await
 }
 
+/// Whether only the owner of `file` may read or write it (mode 0600).
+fn owner_only(file: &std::path::Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::PermissionsExt;
+    Ok(std::fs::metadata(file)?.permissions().mode() & 0o777 == 0o600)
+}
+
 /// Replays the dead letters `dlq` selects; how many it replayed.
 async fn replay(dlq: &DlqConfig) -> anyhow::Result<usize> {
     let replay = Action::Replay {
@@ -236,7 +242,9 @@ async fn a_failing_head_parks_its_key_until_a_replay_or_a_release() -> anyhow::R
         let discard = Action::Discard { file: file.clone() };
         let report =
             idem::dlq::run(&dlq, &discard, &Steps::default(), &CancellationToken::new()).await?;
+        let mode = owner_only(&file);
         std::fs::remove_file(&file)?;
+        assert!(mode?, "a discard's file is its owner's alone");
         assert_eq!(report.discarded.len(), 1, "{report:?}");
         let target = env.worker_config(Mode::Batch, GROUP).target();
         let listed = parked(
@@ -324,7 +332,9 @@ async fn a_key_discarded_keeps_its_events_in_a_file_and_its_next_event_applies()
         assert_eq!(parked_events(&env).await?, 2);
         let done = parked(&target, discard(false)).await?;
         let kept = std::fs::read_to_string(&file)?;
+        let mode = owner_only(&file);
         std::fs::remove_file(&file)?;
+        assert!(mode?, "a discard's file is its owner's alone");
         assert!(
             matches!(
                 done,
