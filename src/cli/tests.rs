@@ -134,6 +134,37 @@ fn per_message_mode_takes_its_own_tuning() -> Result<(), String> {
     Ok(())
 }
 
+fn console(args: &[&str]) -> Result<crate::console::ConsoleConfig, String> {
+    let cli = parse(&[&["idem", "console"][..], args].concat())?;
+    let Command::Console(args) = &cli.command else {
+        return Err("parsed as another command".into());
+    };
+    args.config().map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_console_beyond_loopback_without_a_token_is_refused_in_one_line() {
+    // The suite runs without IDEM_CONSOLE_TOKEN in its environment.
+    let refused = console(&["--http-addr", "0.0.0.0:9480"]);
+    assert!(
+        refused
+            .as_ref()
+            .is_err_and(|e| e.contains("beyond loopback")
+                && e.contains("IDEM_CONSOLE_TOKEN")
+                && !e.contains('\n')),
+        "{refused:?}"
+    );
+    let behind_a_proxy = console(&[
+        "--http-addr",
+        "0.0.0.0:9480",
+        "--trust-user-header",
+        "X-Forwarded-User",
+    ]);
+    assert!(behind_a_proxy.is_ok_and(|config| config.reading_needs_token));
+    let local = console(&["--http-addr", "127.0.0.1:9480"]);
+    assert!(local.is_ok_and(|config| !config.reading_needs_token));
+}
+
 #[test]
 fn a_batch_larger_than_the_prefetch_is_refused() {
     let refused = worker(&["--prefetch", "100", "--batch-size", "200"]);

@@ -67,6 +67,18 @@ impl ConsoleAccessArgs {
         config.hide_bodies = self.hide_bodies;
         config.discard_dir.clone_from(&self.discard_dir);
         config.reading_needs_token = !addr.ip().is_loopback();
+        if config.reading_needs_token
+            && config.token.is_none()
+            && config.trusted_user_header.is_none()
+        {
+            // Every page would answer 401 to everyone.
+            return Err(SettingError::new(format!(
+                "the console would listen on {addr}, beyond loopback, where every page needs the \
+                 token, and none is set: set {} (or --console-token-file), or --trust-user-header \
+                 behind a proxy that authenticates, or listen on 127.0.0.1",
+                vars::CONSOLE_TOKEN
+            )));
+        }
         Ok(config)
     }
 }
