@@ -301,10 +301,11 @@ impl std::fmt::Display for Outcome {
         }
         write!(
             f,
-            "{remove} {} failure ledger row(s), {} sent outbox row(s) and {} record(s) of \
-             given-up messages sent, older than the window (a letter still in the dead-letter \
-             queue keeps its event's ledger row and its death's record)",
-            pruned.ledger_rows, pruned.outbox_rows, pruned.given_up_rows
+            "{remove} {} failure ledger row(s), {} sent outbox row(s), {} record(s) of \
+             given-up messages sent and {} hour(s) of the dead-letter tally, older than the \
+             window (a letter still in the dead-letter queue keeps its event's ledger row, its \
+             death's record and its hour)",
+            pruned.ledger_rows, pruned.outbox_rows, pruned.given_up_rows, pruned.hourly_rows
         )
     }
 }

@@ -64,6 +64,10 @@ pub struct Pruned {
     /// Records of deaths whose given-up messages were sent, from before the
     /// cutoff, of letters the index no longer holds.
     pub given_up_rows: u64,
+    /// Hours of the dead-letter tally (`mq_dead_letter_hourly`, the
+    /// console's chart) that ended before the cutoff, of which the index
+    /// holds no letter any more.
+    pub hourly_rows: u64,
     /// Nothing was done: what a pass would do now (a dry run).
     pub dry_run: bool,
 }
@@ -182,6 +186,7 @@ pub async fn prune(pool: &Pool, config: &PruneConfig) -> Result<Option<Pruned>, 
         pruned.ledger_rows = removed(&LEDGER).await?;
         pruned.given_up_rows = removed(&GIVEN_UP).await?;
     }
+    pruned.hourly_rows = removed(&HOURLY).await?;
     pruned.outbox_rows = removed(&OUTBOX).await?;
     Ok(Some(pruned))
 }
@@ -351,6 +356,18 @@ static GIVEN_UP: Removal = Removal {
     condition: "row.given_up_at < $1 AND NOT EXISTS (SELECT FROM mq_dead_letter AS letter \
                 WHERE letter.consumer_group = row.consumer_group \
                   AND letter.letter_key = row.letter_key)",
+};
+
+/// Hours of the dead-letter tally that ended before the window, of which
+/// the index holds no letter: the console charts letters per hour over the
+/// last days, and a letter still in the index keeps its hour.
+static HOURLY: Removal = Removal {
+    table: "mq_dead_letter_hourly",
+    key: "ctid",
+    condition: "row.hour + interval '1 hour' <= $1 AND NOT EXISTS (SELECT FROM mq_dead_letter AS letter \
+                WHERE letter.consumer_group = row.consumer_group \
+                  AND letter.dead_at >= row.hour \
+                  AND letter.dead_at < row.hour + interval '1 hour')",
 };
 
 impl Removal {

@@ -505,7 +505,10 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
          INSERT INTO mq_outbox (message_id, exchange, routing_key, body, sent_at) VALUES \
              (gen_random_uuid(), 'e', 'k', '', now() - interval '30 days'), \
              (gen_random_uuid(), 'e', 'k', '', now()), \
-             (gen_random_uuid(), 'e', 'k', '', NULL);",
+             (gen_random_uuid(), 'e', 'k', '', NULL); \
+         INSERT INTO mq_dead_letter_hourly (consumer_group, hour, letters) VALUES \
+             ('g', date_trunc('hour', now() - interval '30 days'), 5), \
+             ('g', date_trunc('hour', now()), 2);",
         event(3).event_id
     ))
     .await?;
@@ -560,6 +563,19 @@ async fn a_prune_drops_whole_epochs_past_the_window_and_keeps_what_a_dead_letter
         text.contains(&format!("opened epoch {}", current + 1)),
         "{text}"
     );
+    // The tally's hour from before the window goes, no letter being of it;
+    // this hour's stays.
+    assert!(
+        text.contains("and 1 hour(s) of the dead-letter tally"),
+        "{text}"
+    );
+    let hours = env
+        .count(
+            "SELECT count(*) FROM mq_dead_letter_hourly WHERE consumer_group = 'g'",
+            &[],
+        )
+        .await?;
+    assert_eq!(hours, 1, "{text}");
     assert_eq!(
         epoch_numbers(&env).await?,
         vec![a, b, current, current + 1],
