@@ -47,17 +47,35 @@ impl fmt::Display for IndexedSummary {
             .map(|(reason, n)| format!("{} {n}", printable(reason)))
             .collect();
         write!(f, "\n  by reason: {}", reasons.join(", "))?;
-        write!(f, "\n  by last error:")?;
-        let errors = counted(&summary.errors);
-        for (error, n) in errors.iter().take(ERRORS_SHOWN) {
-            write!(f, "\n    {n:>6}  {}", printable(error))?;
+        write!(
+            f,
+            "\n  by failure group (last error, numbers, ids and quoted values taken out; the \
+             console's groups):"
+        )?;
+        for group in summary.groups.iter().take(ERRORS_SHOWN) {
+            // The error itself when the group's letters share it.
+            let shown = group.error.as_deref().unwrap_or(&group.fingerprint);
+            let fingerprint = if shown.is_empty() {
+                "(no failure recorded)".to_owned()
+            } else {
+                printable(shown).to_string()
+            };
+            write!(f, "\n    {:>6}  {fingerprint}", group.letters)?;
+            match group.invalid {
+                0 => {}
+                1 if group.letters == 1 => write!(f, " (an invalid body)")?,
+                n if n == group.letters => write!(f, " (invalid bodies)")?,
+                n => write!(f, " ({n} of them invalid bodies)")?,
+            }
+            write!(f, "  --group {}", group.id)?;
         }
-        if errors.len() > ERRORS_SHOWN {
-            let rest = &errors[ERRORS_SHOWN..];
+        if summary.groups.len() > ERRORS_SHOWN {
+            let rest = &summary.groups[ERRORS_SHOWN..];
             write!(
                 f,
-                "\n    {:>6}  in {} other last error(s) (`--error TEXT` narrows the summary)",
-                rest.iter().map(|(_, n)| **n).sum::<i64>(),
+                "\n    {:>6}  in {} other group(s) (`--error TEXT` or `--group ID` narrows the \
+                 summary)",
+                rest.iter().map(|group| group.letters).sum::<i64>(),
                 rest.len()
             )?;
         }

@@ -397,9 +397,10 @@ pub struct IndexSummary {
     pub letters: i64,
     /// Per reason.
     pub reasons: BTreeMap<String, i64>,
-    /// Per last error (`(invalid body)` for an invalid body,
-    /// `(no failure recorded)` when the ledger had none).
-    pub errors: BTreeMap<String, i64>,
+    /// Per failure group, as the console groups letters (their last
+    /// error's fingerprint: numbers, ids and quoted values taken out; an
+    /// invalid body's is why it is invalid), the most letters first.
+    pub groups: Vec<GroupCount>,
     /// The oldest death.
     pub oldest: Option<SystemTime>,
     /// The newest.
@@ -410,6 +411,22 @@ pub struct IndexSummary {
     pub applied: i64,
     /// Invalid bodies.
     pub invalid: i64,
+}
+
+/// One failure group's letters that match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupCount {
+    /// The group (what `--group` takes).
+    pub id: uuid::Uuid,
+    /// Its fingerprint; empty when the ledger recorded no failure.
+    pub fingerprint: String,
+    /// Letters (copies) of it that match.
+    pub letters: i64,
+    /// Of them, invalid bodies.
+    pub invalid: i64,
+    /// Their last error, when they all have the same (the fingerprint
+    /// leaves out what tells one from another).
+    pub error: Option<String>,
 }
 
 /// The filter of a summary, over the index's rows (`letter`); an event's
@@ -441,14 +458,14 @@ const MATCHING_TALLY: &str = "\
 /// A summary's counts, from the rows that match (a filter by event id or
 /// by time).
 const SUMMARY_OF_ROWS: &str = "\
-    SELECT letter.reason, \
-           CASE WHEN letter.invalid THEN '(invalid body)' \
-                ELSE coalesce(nullif(letter.last_error, ''), '(no failure recorded)') END, \
+    SELECT letter.reason, letter.fingerprint, \
            sum(letter.copies)::bigint, \
            coalesce(sum(letter.copies) FILTER (WHERE NOT letter.invalid AND NOT letter.applied), \
                     0)::bigint, \
            coalesce(sum(letter.copies) FILTER (WHERE letter.applied), 0)::bigint, \
-           coalesce(sum(letter.copies) FILTER (WHERE letter.invalid), 0)::bigint \
+           coalesce(sum(letter.copies) FILTER (WHERE letter.invalid), 0)::bigint, \
+           md5(letter.fingerprint)::uuid, \
+           min(coalesce(letter.last_error, '')), max(coalesce(letter.last_error, '')) \
     FROM mq_dead_letter AS letter \
     WHERE {MATCHING} \
     GROUP BY 1, 2";
@@ -457,14 +474,14 @@ const SUMMARY_OF_ROWS: &str = "\
 /// last error, however many letters (no filter, or one by reason, error or
 /// invalid body). `$3`, `$5` and `$6` are null.
 const SUMMARY_OF_TALLY: &str = "\
-    SELECT tally.reason, \
-           CASE WHEN tally.invalid THEN '(invalid body)' \
-                ELSE coalesce(nullif(tally.last_error, ''), '(no failure recorded)') END, \
+    SELECT tally.reason, mq_error_fingerprint(tally.last_error), \
            sum(tally.letters)::bigint, \
            coalesce(sum(tally.letters) FILTER (WHERE NOT tally.invalid AND NOT tally.applied), \
                     0)::bigint, \
            coalesce(sum(tally.letters) FILTER (WHERE tally.applied), 0)::bigint, \
-           coalesce(sum(tally.letters) FILTER (WHERE tally.invalid), 0)::bigint \
+           coalesce(sum(tally.letters) FILTER (WHERE tally.invalid), 0)::bigint, \
+           md5(mq_error_fingerprint(tally.last_error))::uuid, \
+           min(coalesce(tally.last_error, '')), max(coalesce(tally.last_error, '')) \
     FROM mq_dead_letter_error_tally AS tally \
     WHERE {MATCHING} \
     GROUP BY 1, 2";
@@ -534,17 +551,46 @@ pub(super) async fn summary(
     };
     let rows = client.query(&counts, &params).await?;
     let mut summary = IndexSummary::default();
+    // Per fingerprint: the group, its letters, its invalid ones, and its
+    // least and greatest last error.
+    let mut groups: BTreeMap<String, (uuid::Uuid, i64, i64, String, String)> = BTreeMap::new();
     for row in rows {
         let reason: String = row.try_get(0)?;
-        let error: String = row.try_get(1)?;
+        let fingerprint: String = row.try_get(1)?;
         let letters: i64 = row.try_get(2)?;
+        let invalid: i64 = row.try_get(5)?;
         summary.letters += letters;
         *summary.reasons.entry(reason).or_default() += letters;
-        *summary.errors.entry(error).or_default() += letters;
+        let id: uuid::Uuid = row.try_get(6)?;
+        let (least, greatest): (String, String) = (row.try_get(7)?, row.try_get(8)?);
+        let group = groups
+            .entry(fingerprint)
+            .or_insert_with(|| (id, 0, 0, least.clone(), greatest.clone()));
+        group.1 += letters;
+        group.2 += invalid;
+        group.3 = group.3.clone().min(least);
+        group.4 = group.4.clone().max(greatest);
         summary.would_apply += row.try_get::<_, i64>(3)?;
         summary.applied += row.try_get::<_, i64>(4)?;
-        summary.invalid += row.try_get::<_, i64>(5)?;
+        summary.invalid += invalid;
     }
+    summary.groups = groups
+        .into_iter()
+        .map(
+            |(fingerprint, (id, letters, invalid, least, greatest))| GroupCount {
+                id,
+                fingerprint,
+                letters,
+                invalid,
+                error: (least == greatest).then_some(least),
+            },
+        )
+        .collect();
+    summary.groups.sort_by(|a, b| {
+        b.letters
+            .cmp(&a.letters)
+            .then(a.fingerprint.cmp(&b.fingerprint))
+    });
     if summary.letters > 0 {
         // Without a filter, the group's two ends.
         let unfiltered = filter.reason.is_none()

@@ -41,7 +41,7 @@ pub use claim::{
 pub use config::is_identifier;
 pub use config::{ConfigError, DatabaseConfig};
 pub(crate) use dead_letters::GivenUpMessages;
-pub use dead_letters::{DeadLetter, Filter, IndexSummary, IndexTotals, Indexed};
+pub use dead_letters::{DeadLetter, Filter, GroupCount, IndexSummary, IndexTotals, Indexed};
 pub use failure::StoreError;
 #[doc(hidden)]
 pub use failure::describe;
