@@ -553,12 +553,18 @@ pub(super) async fn letter<H: Handler>(
     layout("Letter", who.acting().as_deref(), body).into_response()
 }
 
-/// A body as text: pretty-printed JSON where it is JSON, the text (bytes
-/// that are not UTF-8 replaced) otherwise. Escaped by the template.
+/// A body as text: pretty-printed JSON where it is JSON, its keys in the
+/// order they were sent, the text (bytes that are not UTF-8 replaced)
+/// otherwise. Escaped by the template.
 fn shown_body(body: &[u8]) -> String {
-    match serde_json::from_slice::<serde_json::Value>(body) {
-        Ok(json) => serde_json::to_string_pretty(&json).unwrap_or_default(),
-        Err(_) => String::from_utf8_lossy(body).into_owned(),
+    let mut pretty = Vec::with_capacity(body.len() * 2);
+    let mut from = serde_json::Deserializer::from_slice(body);
+    let mut to = serde_json::Serializer::pretty(&mut pretty);
+    // Streamed, not read into a map: a map would sort the keys.
+    let transcoded = serde_transcode::transcode(&mut from, &mut to).and_then(|()| from.end());
+    match (transcoded, String::from_utf8(pretty)) {
+        (Ok(()), Ok(text)) => text,
+        _ => String::from_utf8_lossy(body).into_owned(),
     }
 }
 
