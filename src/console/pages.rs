@@ -312,7 +312,8 @@ pub(super) async fn group<H: Handler>(
         )
             .into_response();
     };
-    let body = group_page(&id, &group, &page, &search, &console.form_token());
+    let form_token = who.may_act().then(|| console.form_token());
+    let body = group_page(&id, &group, &page, &search, form_token.as_deref());
     layout("Failure group", who.acting().as_deref(), body).into_response()
 }
 
@@ -323,7 +324,8 @@ fn group_page(
     group: &Group,
     page: &read::LetterPage,
     search: &Search,
-    form_token: &str,
+    // The form token of a reader who may act; `None` for one who may not.
+    form_token: Option<&str>,
 ) -> Markup {
     let letters = &page.letters;
     let next = page.next.as_ref().map(|(dead_at, key)| {
@@ -357,29 +359,38 @@ fn group_page(
             button.plain type="submit" { "Search" }
             @if searched { a href=(format!("/groups/{id}")) { "clear" } }
         }
-        form method="post" action="/actions/preview" {
-            input type="hidden" name="form_token" value=(form_token);
-            input type="hidden" name="group" value=(group.id);
-            @for (name, value) in search_fields(search) {
-                input type="hidden" name=(name) value=(value);
+        @if let Some(form_token) = form_token {
+            form method="post" action="/actions/preview" {
+                input type="hidden" name="form_token" value=(form_token);
+                input type="hidden" name="group" value=(group.id);
+                @for (name, value) in search_fields(search) {
+                    input type="hidden" name=(name) value=(value);
+                }
+                div.actions {
+                    button type="submit" name="action" value="replay" { @if searched { "Replay the search's letters…" } @else { "Replay the group…" } }
+                    button.danger type="submit" name="action" value="discard" { @if searched { "Discard the search's letters…" } @else { "Discard the group…" } }
+                }
             }
-            div.actions {
-                button type="submit" name="action" value="replay" { @if searched { "Replay the search's letters…" } @else { "Replay the group…" } }
-                button.danger type="submit" name="action" value="discard" { @if searched { "Discard the search's letters…" } @else { "Discard the group…" } }
+            form method="post" action="/actions/preview" {
+                input type="hidden" name="form_token" value=(form_token);
+                input type="hidden" name="group" value=(group.id);
+                (letters_table(letters, true))
+                @if page.searched_out {
+                    p.muted { "This page looked at " (read::SEARCHED) " letters and found these; the next page searches the older ones." }
+                }
+                div.actions {
+                    button type="submit" name="action" value="replay-selected" { "Replay selected…" }
+                    button.danger type="submit" name="action" value="discard-selected" { "Discard selected…" }
+                    @if let Some(next) = &next { a href=(next) { "Next page →" } }
+                }
             }
-        }
-        form method="post" action="/actions/preview" {
-            input type="hidden" name="form_token" value=(form_token);
-            input type="hidden" name="group" value=(group.id);
-            (letters_table(letters, true))
+        } @else {
+            (view::log_in_to("replay or discard these letters"))
+            (letters_table(letters, false))
             @if page.searched_out {
                 p.muted { "This page looked at " (read::SEARCHED) " letters and found these; the next page searches the older ones." }
             }
-            div.actions {
-                button type="submit" name="action" value="replay-selected" { "Replay selected…" }
-                button.danger type="submit" name="action" value="discard-selected" { "Discard selected…" }
-                @if let Some(next) = &next { a href=(next) { "Next page →" } }
-            }
+            @if let Some(next) = &next { div.actions { a href=(next) { "Next page →" } } }
         }
     }
 }
@@ -540,14 +551,18 @@ pub(super) async fn letter<H: Handler>(
             }
         }
         (letter_contents(&letter, hide))
-        form method="post" action="/actions/preview" {
-            input type="hidden" name="form_token" value=(console.form_token());
-            input type="hidden" name="group" value=(letter.group);
-            input type="hidden" name="keys" value=(row.key);
-            div.actions {
-                button type="submit" name="action" value="replay-selected" { "Replay this letter…" }
-                button.danger type="submit" name="action" value="discard-selected" { "Discard this letter…" }
+        @if who.may_act() {
+            form method="post" action="/actions/preview" {
+                input type="hidden" name="form_token" value=(console.form_token());
+                input type="hidden" name="group" value=(letter.group);
+                input type="hidden" name="keys" value=(row.key);
+                div.actions {
+                    button type="submit" name="action" value="replay-selected" { "Replay this letter…" }
+                    button.danger type="submit" name="action" value="discard-selected" { "Discard this letter…" }
+                }
             }
+        } @else {
+            (view::log_in_to("replay or discard this letter"))
         }
     };
     layout("Letter", who.acting().as_deref(), body).into_response()

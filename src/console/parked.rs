@@ -139,13 +139,17 @@ pub(super) async fn list<H: Handler>(
                             td { (key.last_error.as_deref().unwrap_or("—")) }
                             td { (time(key.parked_at)) }
                             td {
-                                form method="post" action="/parked/preview" {
-                                    input type="hidden" name="form_token" value=(console.form_token());
-                                    input type="hidden" name="key" value=(key.key);
-                                    div.actions {
-                                        button type="submit" name="action" value="release" { "Release…" }
-                                        button.danger type="submit" name="action" value="discard" { "Discard…" }
+                                @if who.may_act() {
+                                    form method="post" action="/parked/preview" {
+                                        input type="hidden" name="form_token" value=(console.form_token());
+                                        input type="hidden" name="key" value=(key.key);
+                                        div.actions {
+                                            button type="submit" name="action" value="release" { "Release…" }
+                                            button.danger type="submit" name="action" value="discard" { "Discard…" }
+                                        }
                                     }
+                                } @else {
+                                    a href="/login" { "Log in to act" }
                                 }
                             }
                         }

@@ -42,6 +42,14 @@ pub(super) fn layout(title: &str, acting: Option<&str>, body: Markup) -> Html<St
     Html(page.into_string())
 }
 
+/// What a reader who may not act sees where the actions would be: a way
+/// to log in, not buttons that would be refused.
+pub(super) fn log_in_to(what: &str) -> Markup {
+    html! {
+        p.muted.act { a href="/login" { "Log in" } " to " (what) "." }
+    }
+}
+
 /// The fields of a form or a query string, each name possibly more than
 /// once (the letters ticked in a listing).
 #[derive(Debug, Default)]

@@ -202,6 +202,24 @@ impl Browser {
     }
 }
 
+/// The page in `browser` offers no button of the action `value`, nor any
+/// form that posts, but a link to log in.
+async fn no_action_offered(browser: &Browser, value: &str) -> anyhow::Result<()> {
+    let page = &browser.client;
+    let buttons = page
+        .find_all(Locator::Css(&format!("button[value={value}]")))
+        .await?;
+    ensure!(buttons.is_empty(), "a {value} button shown to a reader");
+    let forms = page.find_all(Locator::Css("form[method=post]")).await?;
+    ensure!(forms.is_empty(), "a form that posts shown to a reader");
+    let log_in = page.find_all(Locator::Css("main a[href='/login']")).await?;
+    ensure!(
+        !log_in.is_empty(),
+        "no way to log in where the actions were"
+    );
+    Ok(())
+}
+
 fn poisoned(env: &TestEnv, i: usize) -> PaymentSucceeded {
     PaymentSucceeded {
         event_id: format!("{}-poisoned-{i}", env.name),
@@ -267,7 +285,9 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
         .await
         .context("the poisoned order's group is listed")?;
     group_link.click().await?;
-    let group = browser.text_holding("main", "Replay the group").await?;
+    let group = browser
+        .text_holding("main", "Log in to replay or discard these letters")
+        .await?;
     for event in &events {
         ensure!(group.contains(&event.event_id), "{group}");
     }
@@ -294,14 +314,16 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
     ensure!(letter.contains("applies it"), "{letter}");
     browser.keep("console-letter").await?;
 
-    // Without the token, an action is refused, and nothing is recorded.
-    page.find(Locator::Css("button[value=replay-selected]"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .text_holding("main", "actions need the token")
-        .await?;
+    // Without the token, no action is offered: a way to log in is.
+    no_action_offered(&browser, "replay-selected").await?;
+    page.goto(&console.url("/groups")).await?;
+    page.find(Locator::XPath(
+        "//a[contains(., 'order poison-order is poisoned')]",
+    ))
+    .await?
+    .click()
+    .await?;
+    no_action_offered(&browser, "replay").await?;
     ensure!(env.count_rows("idem_console_audit").await? == 0);
 
     // Logged in, and the cause fixed: the group is replayed, once.
@@ -416,14 +438,8 @@ async fn an_operator_releases_a_parked_key_after_a_dry_run_and_the_audit_says_so
     ensure!(page.title().await? != "pwned", "a script ran");
     browser.keep("console-parked").await?;
 
-    // Without the token, a release is refused, and nothing is recorded.
-    page.find(Locator::Css("button[value=release]"))
-        .await?
-        .click()
-        .await?;
-    browser
-        .text_holding("main", "actions need the token")
-        .await?;
+    // Without the token, no release is offered: a way to log in is.
+    no_action_offered(&browser, "release").await?;
     ensure!(env.count_rows("idem_console_audit").await? == 0);
     ensure!(env.count_rows("mq_parked_event").await? == 2);
 
