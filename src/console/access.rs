@@ -3,6 +3,10 @@
 //! or a user named by a trusted proxy; a POST must come from the console's
 //! own pages (same origin, the process's form token).
 
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -11,6 +15,8 @@ use axum::response::{IntoResponse, Redirect, Response};
 use hmac::{Hmac, Mac};
 use maud::html;
 use sha2::Sha256;
+use tokio::time::Instant;
+use tracing::warn;
 
 use super::Console;
 use super::view::{self, Fields};
@@ -380,17 +386,110 @@ pub(super) async fn login_page<H: Handler>(
     .into_response()
 }
 
-/// `POST /login`: sets the session cookie when the token is right.
+/// Wrong tokens a client address may try at the login before it must wait.
+const FREE_TRIES: u32 = 5;
+
+/// The longest a client address waits between two tries.
+const LONGEST_WAIT: Duration = Duration::from_secs(60);
+
+/// How long an address's wrong tries are remembered after its last.
+const FORGOTTEN_AFTER: Duration = Duration::from_secs(15 * 60);
+
+/// Wrong tokens at the login, per client address: past [`FREE_TRIES`],
+/// each try waits twice as long as the last (at most [`LONGEST_WAIT`]),
+/// answered 429 before then, so that guessing the token goes nowhere.
+#[derive(Debug, Default)]
+pub(super) struct LoginTries(std::sync::Mutex<HashMap<Option<IpAddr>, Tries>>);
+
+#[derive(Debug, Clone, Copy)]
+struct Tries {
+    wrong: u32,
+    last: Instant,
+    next: Instant,
+}
+
+impl LoginTries {
+    /// How long `from` must still wait before it may try, if it must.
+    fn wait(&self, from: Option<IpAddr>, now: Instant) -> Option<Duration> {
+        let mut tries = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        tries.retain(|_, tries| now.duration_since(tries.last) < FORGOTTEN_AFTER);
+        let next = tries.get(&from)?.next;
+        (next > now).then(|| next - now)
+    }
+
+    /// One more wrong token from `from`; how many in a row.
+    fn wrong(&self, from: Option<IpAddr>, now: Instant) -> u32 {
+        let mut tries = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = tries.entry(from).or_insert(Tries {
+            wrong: 0,
+            last: now,
+            next: now,
+        });
+        entry.wrong += 1;
+        entry.last = now;
+        let past = entry.wrong.saturating_sub(FREE_TRIES);
+        entry.next = match past {
+            0 => now,
+            n => now + (Duration::from_secs(1) * 2u32.pow((n - 1).min(6))).min(LONGEST_WAIT),
+        };
+        entry.wrong
+    }
+
+    /// The right token from `from`: its wrong tries are forgotten.
+    fn right(&self, from: Option<IpAddr>) {
+        let mut tries = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        tries.remove(&from);
+    }
+}
+
+/// The client's address, when the server was told it (the console's own
+/// and the worker's are).
+pub(super) struct ClientAddr(Option<IpAddr>);
+
+impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Self(
+            parts
+                .extensions
+                .get::<axum::extract::ConnectInfo<SocketAddr>>()
+                .map(|info| info.0.ip()),
+        ))
+    }
+}
+
+/// `POST /login`: sets the session cookie when the token is right. Past a
+/// few wrong tokens from one address, its tries wait longer and longer;
+/// each wrong one is audited.
 pub(super) async fn login<H: Handler>(
     State(console): State<Console<H>>,
+    ClientAddr(from): ClientAddr,
     OwnForm(fields): OwnForm,
 ) -> Response {
     let Some(token) = &console.inner.config.token else {
         return refused(StatusCode::FORBIDDEN, "this console has no token");
     };
+    let tries = &console.inner.tries;
+    if let Some(wait) = tries.wait(from, Instant::now()) {
+        let seconds = wait.as_secs().max(1);
+        let mut response = refused(
+            StatusCode::TOO_MANY_REQUESTS,
+            &format!("too many wrong tokens from your address: try again in {seconds} s"),
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from(seconds));
+        return response;
+    }
     if !token.admits(fields.one("token").unwrap_or_default().trim()) {
+        let wrong = tries.wrong(from, Instant::now());
+        let address = from.map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string());
+        warn!(from = %address, wrong, "a wrong token at the console's login");
+        audit_refusal(&console, &address, wrong).await;
         return refused(StatusCode::FORBIDDEN, "that is not the token");
     }
+    tries.right(from);
     let cookie = format!(
         "{SESSION_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
         token.session()
@@ -402,4 +501,31 @@ pub(super) async fn login<H: Handler>(
 pub(super) async fn logout(_: OwnForm) -> Response {
     let cookie = format!("{SESSION_COOKIE}=; Path=/; HttpOnly; SameSite=Strict; Max-Age=0");
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()
+}
+
+/// Records a wrong token at the login in the audit, as an action refused.
+async fn audit_refusal<H: Handler>(console: &Console<H>, address: &str, wrong: u32) {
+    let audited = crate::store::console::Audited {
+        id: 0,
+        consumer_group: console.inner.config.target.consumer_group.clone(),
+        action: "login".to_owned(),
+        who: format!("anyone at {address}"),
+        filter: String::new(),
+        expected: 0,
+        started_at: std::time::SystemTime::now(),
+        finished_at: None,
+        letters: None,
+        outcome: None,
+        file: None,
+    };
+    let recorded = async {
+        let client = console.inner.store.pool().get().await?;
+        let id = crate::store::console::audit_start(&client, &audited).await?;
+        let outcome = format!("refused: a wrong token ({wrong} in a row from this address)");
+        crate::store::console::audit_end(&client, id, 0, &outcome).await?;
+        Ok::<_, crate::store::StoreError>(())
+    };
+    if let Err(error) = recorded.await {
+        warn!(%error, "the audit could not record a wrong token at the login");
+    }
 }

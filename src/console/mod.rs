@@ -148,6 +148,8 @@ struct Inner<H> {
     /// Their tasks, awaited before the console stops.
     tasks: TaskTracker,
     shutdown: CancellationToken,
+    /// Wrong tokens at the login, per client address.
+    tries: access::LoginTries,
 }
 
 impl<H: Handler> Console<H> {
@@ -170,6 +172,7 @@ impl<H: Handler> Console<H> {
                 running: Mutex::new(HashMap::new()),
                 tasks: TaskTracker::new(),
                 shutdown,
+                tries: access::LoginTries::default(),
             }),
         })
     }
@@ -214,9 +217,13 @@ impl<H: Handler> Console<H> {
             info!(addr = %bound, "the console is at http://{bound}/");
         }
         let shutdown = self.inner.shutdown.clone();
-        let served = axum::serve(listener, self.router())
-            .with_graceful_shutdown(shutdown.cancelled_owned())
-            .await;
+        let served = axum::serve(
+            listener,
+            self.router()
+                .into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await;
         if let Err(error) = served {
             warn!(%error, "the console stopped");
         }

@@ -40,6 +40,8 @@ pub(crate) async fn serve(
         .route("/readyz", get(readyz))
         .with_state(probe)
         .merge(routes.unwrap_or_default());
+    // The client's address, which the console's login counts tries by.
+    let routes = routes.into_make_service_with_connect_info::<std::net::SocketAddr>();
     let served = axum::serve(listener, routes)
         .with_graceful_shutdown(shutdown.cancelled_owned())
         .await;

@@ -739,3 +739,62 @@ async fn the_worker_serves_the_console_beside_its_metrics() -> anyhow::Result<()
     worker.stop().await?;
     Ok(())
 }
+
+/// Wrong tokens at the login: a few are answered at once, then each try
+/// from that address waits longer (429, with Retry-After), the right token
+/// too until then; every wrong one is in the audit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_tokens_at_the_login_slow_down_and_are_audited() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let _ = idem::tls::provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    let page = http.get(console.url("/login")).send().await?.text().await?;
+    let form_token = page
+        .split("name=\"form_token\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .context("the login page's form token")?
+        .to_owned();
+    let own = format!("http://{}", console.addr);
+    let try_token = |token: &str| {
+        http.post(console.url("/login"))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .header("origin", own.as_str())
+            .body(format!("token={token}&form_token={form_token}"))
+            .send()
+    };
+    for n in 1..=6 {
+        let answer = try_token("guess").await?;
+        ensure!(
+            answer.status() == 403,
+            "wrong token {n}: {}",
+            answer.status()
+        );
+    }
+    // The sixth was past the free tries: the next waits, right or wrong.
+    let mut retry_after = 0;
+    for token in ["guess", TOKEN] {
+        let answer = try_token(token).await?;
+        ensure!(answer.status() == 429, "{}", answer.status());
+        retry_after = answer.headers()["retry-after"].to_str()?.parse()?;
+        ensure!((1..=60).contains(&retry_after), "{retry_after}");
+    }
+    let audited = env
+        .count(
+            "SELECT count(*) FROM idem_console_audit WHERE action = 'login' \
+             AND outcome LIKE 'refused: a wrong token%'",
+            &[],
+        )
+        .await?;
+    ensure!(audited == 6, "{audited} wrong tokens audited");
+    // Once the wait is over (the answer says how long), the right token
+    // logs in.
+    tokio::time::sleep(Duration::from_secs(retry_after) + Duration::from_millis(100)).await;
+    let answer = try_token(TOKEN).await?;
+    ensure!(answer.status() == 303, "{}", answer.status());
+    console.stop().await?;
+    Ok(())
+}
