@@ -26,6 +26,9 @@ const AUDIT_SHOWN: i64 = 100;
 /// The chart's span.
 const CHART_HOURS: u64 = 24;
 
+/// The most other consumer groups the overview lists.
+const OTHER_GROUPS_SHOWN: i64 = 50;
+
 /// How long the overview waits for the broker before it shows the page
 /// without the queues.
 const BROKER_WAIT: Duration = Duration::from_secs(2);
@@ -41,8 +44,10 @@ pub(super) async fn overview<H: Handler>(
         let tables = status::tables(store).await?;
         let now = SystemTime::now();
         let since = now - Duration::from_secs(CHART_HOURS * 3600);
-        let hourly = read::hourly(&store.pool().get().await?, group, since).await?;
-        Ok::<_, crate::store::StoreError>((tables, hourly, now))
+        let client = store.pool().get().await?;
+        let hourly = read::hourly(&client, group, since).await?;
+        let others = read::other_groups(&client, group, OTHER_GROUPS_SHOWN).await?;
+        Ok::<_, crate::store::StoreError>((tables, (hourly, others), now))
     };
     let (
         status::Tables {
@@ -52,7 +57,7 @@ pub(super) async fn overview<H: Handler>(
             index: totals,
             parked,
         },
-        hourly,
+        (hourly, others),
         now,
     ) = match read.await {
         Ok(read) => read,
@@ -111,6 +116,21 @@ pub(super) async fn overview<H: Handler>(
         h2 { "Dead-lettering over time" }
         (view::chart(&hourly, now, CHART_HOURS))
         p { a href="/groups" { "See the failure groups →" } }
+        @if !others.is_empty() {
+            h2 { "Other consumer groups in this schema" }
+            table {
+                thead { tr { th { "consumer group" } th.n { "dead letters (index)" } } }
+                tbody {
+                    @for (name, letters) in &others {
+                        tr { td { code { (name) } } td.n { (letters) } }
+                    }
+                }
+            }
+            p.muted {
+                "Each has a console of its own: " code { "console --consumer-group NAME" } "."
+                @if others.len() as i64 == OTHER_GROUPS_SHOWN { " The first " (OTHER_GROUPS_SHOWN) " by name." }
+            }
+        }
     };
     layout("Overview", who.acting().as_deref(), body).into_response()
 }

@@ -382,6 +382,31 @@ pub async fn letter(
     }))
 }
 
+/// The schema's other consumer groups (those with dead letters, failing
+/// events, parked keys or workers on slots), by name, with their dead
+/// letters; at most `limit`.
+pub async fn other_groups(
+    client: &impl GenericClient,
+    consumer_group: &str,
+    limit: i64,
+) -> Result<Vec<(String, i64)>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT known.name::text, coalesce((SELECT sum(tally.letters) \
+                 FROM mq_dead_letter_tally AS tally WHERE tally.consumer_group = known.name), 0)::bigint \
+             FROM (SELECT consumer_group FROM mq_dead_letter_tally \
+                   UNION SELECT consumer_group FROM mq_failure_ledger \
+                   UNION SELECT consumer_group FROM mq_parked_key \
+                   UNION SELECT consumer_group FROM mq_slot_member) AS known(name) \
+             WHERE known.name <> $1 ORDER BY known.name LIMIT $2",
+            &[&consumer_group, &limit],
+        )
+        .await?;
+    rows.iter()
+        .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+        .collect()
+}
+
 /// Letters that came into the index per hour since `since`, oldest first.
 pub async fn hourly(
     client: &impl GenericClient,

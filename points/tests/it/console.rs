@@ -798,3 +798,34 @@ async fn wrong_tokens_at_the_login_slow_down_and_are_audited() -> anyhow::Result
     console.stop().await?;
     Ok(())
 }
+
+/// A schema several consumer groups share: the overview names the others,
+/// with their dead letters, and how to see each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_names_the_schema_s_other_consumer_groups() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.sql(
+        "INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, last_error) \
+             VALUES ('e-1', 'billing', 1, 'x'); \
+         INSERT INTO mq_slot_member (consumer_group, queue, member) \
+             VALUES ('shipping', 'shipping.slot.0', gen_random_uuid());",
+    )
+    .await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let _ = idem::tls::provider().install_default();
+    let overview = reqwest::get(console.url("/")).await?.text().await?;
+    let others = overview
+        .split("Other consumer groups in this schema")
+        .nth(1)
+        .context("no other groups listed")?;
+    for name in ["billing", "shipping"] {
+        ensure!(others.contains(&format!("<code>{name}</code>")), "{others}");
+    }
+    ensure!(
+        !others.contains(&format!("<code>{GROUP}</code>")),
+        "{others}"
+    );
+    ensure!(others.contains("console --consumer-group NAME"), "{others}");
+    console.stop().await?;
+    Ok(())
+}
