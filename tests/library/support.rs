@@ -104,7 +104,18 @@ impl Env {
             ..topology.prefixed(&format!("{}.", schema.replace('_', "-")))
         };
         let connection = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
-        topology.declare(&connection).await?;
+        if let Err(error) = topology.declare(&connection).await {
+            // What it declared before it failed goes, and so does the
+            // schema, on a connection of its own: the broker may have closed
+            // this one over the failure.
+            drop(pool);
+            drop_schema(&schema).await?;
+            // Best effort: the error to report is the declare's.
+            let cleanup = Connection::connect(&amqp_url(), ConnectionProperties::default()).await?;
+            let _ = topology.delete(&cleanup.create_channel().await?).await;
+            let _ = cleanup.close(200, "OK".into()).await;
+            return Err(error.into());
+        }
         Ok(Self {
             schema,
             database,
