@@ -8,6 +8,44 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::{ERRORS_SHOWN, Entry, HOLD, IndexedSummary, Report, Synced};
 use crate::duration::rfc3339;
 
+/// The summary's failure groups, the largest first, [`ERRORS_SHOWN`] of
+/// them and a count of the rest.
+fn write_groups(f: &mut fmt::Formatter<'_>, groups: &[crate::store::GroupCount]) -> fmt::Result {
+    write!(
+        f,
+        "\n  by failure group (last error, numbers, ids and quoted values taken out; the \
+         console's groups):"
+    )?;
+    for group in groups.iter().take(ERRORS_SHOWN) {
+        // The error itself when the group's letters share it.
+        let shown = group.error.as_deref().unwrap_or(&group.fingerprint);
+        let fingerprint = if shown.is_empty() {
+            "(no failure recorded)".to_owned()
+        } else {
+            printable(shown).to_string()
+        };
+        write!(f, "\n    {:>6}  {fingerprint}", group.letters)?;
+        match group.invalid {
+            0 => {}
+            1 if group.letters == 1 => write!(f, " (an invalid body)")?,
+            n if n == group.letters => write!(f, " (invalid bodies)")?,
+            n => write!(f, " ({n} of them invalid bodies)")?,
+        }
+        write!(f, "  --group {}", group.id)?;
+    }
+    if groups.len() > ERRORS_SHOWN {
+        let rest = &groups[ERRORS_SHOWN..];
+        write!(
+            f,
+            "\n    {:>6}  in {} other group(s) (`--error TEXT` or `--group ID` narrows the \
+             summary)",
+            rest.iter().map(|group| group.letters).sum::<i64>(),
+            rest.len()
+        )?;
+    }
+    Ok(())
+}
+
 impl fmt::Display for IndexedSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let IndexedSummary {
@@ -47,38 +85,7 @@ impl fmt::Display for IndexedSummary {
             .map(|(reason, n)| format!("{} {n}", printable(reason)))
             .collect();
         write!(f, "\n  by reason: {}", reasons.join(", "))?;
-        write!(
-            f,
-            "\n  by failure group (last error, numbers, ids and quoted values taken out; the \
-             console's groups):"
-        )?;
-        for group in summary.groups.iter().take(ERRORS_SHOWN) {
-            // The error itself when the group's letters share it.
-            let shown = group.error.as_deref().unwrap_or(&group.fingerprint);
-            let fingerprint = if shown.is_empty() {
-                "(no failure recorded)".to_owned()
-            } else {
-                printable(shown).to_string()
-            };
-            write!(f, "\n    {:>6}  {fingerprint}", group.letters)?;
-            match group.invalid {
-                0 => {}
-                1 if group.letters == 1 => write!(f, " (an invalid body)")?,
-                n if n == group.letters => write!(f, " (invalid bodies)")?,
-                n => write!(f, " ({n} of them invalid bodies)")?,
-            }
-            write!(f, "  --group {}", group.id)?;
-        }
-        if summary.groups.len() > ERRORS_SHOWN {
-            let rest = &summary.groups[ERRORS_SHOWN..];
-            write!(
-                f,
-                "\n    {:>6}  in {} other group(s) (`--error TEXT` or `--group ID` narrows the \
-                 summary)",
-                rest.iter().map(|group| group.letters).sum::<i64>(),
-                rest.len()
-            )?;
-        }
+        write_groups(f, &summary.groups)?;
         let seconds = |t: SystemTime| t.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
         if let (Some(oldest), Some(newest)) = (summary.oldest, summary.newest) {
             write!(
