@@ -36,18 +36,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             events: &lookup_events,
         };
 
-        // Each body's ordering key, when its event names one: what the
-        // runs on an ordered queue publish it with.
-        let handler = (self.make)();
-        let keys: HashMap<Vec<u8>, String> = config
-            .events
-            .iter()
-            .filter_map(|body| {
-                let event = handler.decode(body).ok()?;
-                let key = handler.ordering_key(&event)?.to_owned();
-                Some((body.clone(), key))
-            })
-            .collect();
+        let keys = &decoded.keys;
         let keyed: Vec<(&str, &str)> = events
             .iter()
             .filter_map(|event| {
@@ -59,7 +48,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         let (tables, expected) = self.references(&events, &lookup, &mut report).await?;
         let reference = (!report.order_matters).then_some(&expected);
         if report.order_matters && !keyed.is_empty() {
-            self.keys_backwards(&events, &keys, &tables, &expected, &lookup, &mut report)
+            self.keys_backwards(&events, keys, &tables, &expected, &lookup, &mut report)
                 .await?;
         }
         let ordered_reference =
@@ -85,7 +74,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             prefix: &self.queue_prefix(),
             bodies: &config.events,
             events: &bodies,
-            keys: &keys,
+            keys,
             keyed: &keyed,
             max_attempts: config.max_attempts,
             seed: config.seed,
@@ -210,13 +199,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
     ) -> Result<(), CheckError> {
         let started = Instant::now();
         let reversed_events: Vec<&Event<G::Event>> = events.iter().rev().copied().collect();
-        let reversed = self.scratch("reversed", 2).await?;
-        let reversed_fates = self.one_at_a_time(&reversed, &reversed_events).await?;
-        let reversed = self
-            .observe(&reversed, tables, Some(reversed_fates))
+        let (reversed, mut order, fate_changes) = self
+            .in_another_order("reversed", &reversed_events, tables, expected)
             .await?;
-        let mut order = state::differences(&expected.state, &reversed.state);
-        let fate_changes = fate_differences(&expected.fates, &reversed.fates);
         report.order_matters = !order.is_empty() || !fate_changes.is_empty();
         let mut reversed_row = self.row("reference · reversed", events, &reversed, None, lookup);
         if report.order_matters {
@@ -254,11 +239,9 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
     ) -> Result<(), CheckError> {
         let started = Instant::now();
         let backwards = keys_backwards(events, |event| keys.get(&event.body));
-        let scratch = self.scratch("keys_backwards", 2).await?;
-        let fates = self.one_at_a_time(&scratch, &backwards).await?;
-        let observed = self.observe(&scratch, tables, Some(fates)).await?;
-        let rows = state::differences(&expected.state, &observed.state);
-        let fate_changes = fate_differences(&expected.fates, &observed.fates);
+        let (observed, rows, fate_changes) = self
+            .in_another_order("keys_backwards", &backwards, tables, expected)
+            .await?;
         report.order_within_keys_only = rows.is_empty() && fate_changes.is_empty();
         let mut row = self.row(
             "reference · keys interleaved backwards",
@@ -282,6 +265,24 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         row.seconds = started.elapsed().as_secs_f64();
         report.runs.push(row);
         Ok(())
+    }
+
+    /// `events` applied one at a time, in their order, on a schema of
+    /// their own (`run`): what they left, and its rows and fates that
+    /// differ from `expected`.
+    async fn in_another_order(
+        &self,
+        run: &str,
+        events: &[&Event<G::Event>],
+        tables: &Tables,
+        expected: &Observed,
+    ) -> Result<(Observed, Vec<state::Difference>, Vec<String>), CheckError> {
+        let scratch = self.scratch(run, 2).await?;
+        let fates = self.one_at_a_time(&scratch, events).await?;
+        let observed = self.observe(&scratch, tables, Some(fates)).await?;
+        let rows = state::differences(&expected.state, &observed.state);
+        let fates = fate_differences(&expected.fates, &observed.fates);
+        Ok((observed, rows, fates))
     }
 
     /// `events` applied one at a time on `scratch`, in their order.

@@ -212,6 +212,9 @@ struct Check<'a, F> {
 struct Decoded<E> {
     events: Vec<Event<E>>,
     invalid: usize,
+    /// The ordering key of each body whose event names one: what the runs
+    /// on an ordered queue publish it with.
+    keys: HashMap<Vec<u8>, String>,
 }
 
 /// What a run left, as judged.
@@ -247,10 +250,14 @@ fn decode<H: Handler>(handler: &H, bodies: &[Vec<u8>]) -> Decoded<H::Event> {
     let mut decoded = Decoded {
         events: Vec::new(),
         invalid: 0,
+        keys: HashMap::new(),
     };
     for body in bodies {
         match crate::worker::decode(handler, body, WorkerConfig::DEFAULT_MAX_BODY_BYTES) {
             Ok(event) => {
+                if let Some(key) = handler.ordering_key(&event) {
+                    decoded.keys.insert(body.clone(), key.to_owned());
+                }
                 let id = handler.event_id(&event).to_owned();
                 if seen.insert(id.clone(), ()).is_none() {
                     decoded.events.push(Event {

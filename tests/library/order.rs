@@ -14,8 +14,6 @@ use idem::dlq::{Action, DlqConfig};
 use idem::relay::{RelayConfig, RelayCounters};
 use idem::worker::ParkedBounds;
 use idem::{Mode, Topology};
-use lapin::options::QueueBindOptions;
-use lapin::types::FieldTable;
 use tokio_util::sync::CancellationToken;
 
 use crate::steps::{self, Steps};
@@ -782,15 +780,7 @@ async fn a_refused_message_holds_its_key_s_later_messages_back() -> anyhow::Resu
         let (orders, steps) = (20, 4);
         applied_unsent(&env, &exchange, orders, steps).await?;
         // Nothing routes: every message is refused or held back.
-        let channel = env.connection.create_channel().await?;
-        channel
-            .queue_unbind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                FieldTable::default(),
-            )
-            .await?;
+        env.bind_announced(false).await?;
         let (sent, refused) = relay_until_empty(&env, &exchange, 1).await?;
         assert_eq!(sent, 0);
         assert!(refused > 0);
@@ -798,16 +788,7 @@ async fn a_refused_message_holds_its_key_s_later_messages_back() -> anyhow::Resu
         assert!(env.number(held).await? > 0, "later messages held back");
         // Routed again: the held messages are due, but not before their
         // keys' refused ones.
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        channel.close(200, "OK".into()).await?;
+        env.bind_announced(true).await?;
         let (sent, _) = relay_until_empty(&env, &exchange, 1).await?;
         assert_eq!(sent, 0, "nothing sent ahead of a refused message");
         wait_for(

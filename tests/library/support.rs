@@ -258,15 +258,26 @@ impl Env {
         channel
             .queue_declare(queue.as_str().into(), durable, FieldTable::default())
             .await?;
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+        channel.close(200, "OK".into()).await?;
+        self.bind_announced(true).await
+    }
+
+    /// Binds [`Env::announced`]'s queue to its exchange with `#`, or
+    /// unbinds it: then nothing the exchange gets is routed.
+    pub async fn bind_announced(&self, bound: bool) -> anyhow::Result<()> {
+        let (exchange, queue) = self.announced();
+        let channel = self.connection.create_channel().await?;
+        let (queue, exchange) = (queue.as_str().into(), exchange.as_str().into());
+        if bound {
+            let options = QueueBindOptions::default();
+            channel
+                .queue_bind(queue, exchange, "#".into(), options, FieldTable::default())
+                .await?;
+        } else {
+            channel
+                .queue_unbind(queue, exchange, "#".into(), FieldTable::default())
+                .await?;
+        }
         channel.close(200, "OK".into()).await?;
         Ok(())
     }

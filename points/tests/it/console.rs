@@ -202,6 +202,19 @@ impl Browser {
     }
 }
 
+/// Opens the poisoned order's failure group from the groups page.
+async fn open_poisoned_group(browser: &Browser, console: &RunningConsole) -> anyhow::Result<()> {
+    let page = &browser.client;
+    page.goto(&console.url("/groups")).await?;
+    page.find(Locator::XPath(
+        "//a[contains(., 'order poison-order is poisoned')]",
+    ))
+    .await?
+    .click()
+    .await?;
+    Ok(())
+}
+
 /// The page in `browser` offers no button of the action `value`, nor any
 /// form that posts, but a link to log in.
 async fn no_action_offered(browser: &Browser, value: &str) -> anyhow::Result<()> {
@@ -316,26 +329,14 @@ async fn an_operator_finds_the_failing_group_and_replays_it_once_with_the_token(
 
     // Without the token, no action is offered: a way to log in is.
     no_action_offered(&browser, "replay-selected").await?;
-    page.goto(&console.url("/groups")).await?;
-    page.find(Locator::XPath(
-        "//a[contains(., 'order poison-order is poisoned')]",
-    ))
-    .await?
-    .click()
-    .await?;
+    open_poisoned_group(&browser, &console).await?;
     no_action_offered(&browser, "replay").await?;
     ensure!(env.count_rows("idem_console_audit").await? == 0);
 
     // Logged in, and the cause fixed: the group is replayed, once.
     browser.log_in(&console).await?;
     env.sql("DROP TRIGGER poison ON user_points").await?;
-    page.goto(&console.url("/groups")).await?;
-    page.find(Locator::XPath(
-        "//a[contains(., 'order poison-order is poisoned')]",
-    ))
-    .await?
-    .click()
-    .await?;
+    open_poisoned_group(&browser, &console).await?;
     page.find(Locator::Css("button[value=replay]"))
         .await?
         .click()
@@ -775,7 +776,7 @@ async fn wrong_tokens_at_the_login_slow_down_and_are_audited() -> anyhow::Result
         );
     }
     // The sixth was past the free tries: the next waits, right or wrong.
-    let mut retry_after = 0;
+    let mut retry_after: u64 = 0;
     for token in ["guess", TOKEN] {
         let answer = try_token(token).await?;
         ensure!(answer.status() == 429, "{}", answer.status());
@@ -791,10 +792,14 @@ async fn wrong_tokens_at_the_login_slow_down_and_are_audited() -> anyhow::Result
         .await?;
     ensure!(audited == 6, "{audited} wrong tokens audited");
     // Once the wait is over (the answer says how long), the right token
-    // logs in.
-    tokio::time::sleep(Duration::from_secs(retry_after) + Duration::from_millis(100)).await;
-    let answer = try_token(TOKEN).await?;
-    ensure!(answer.status() == 303, "{}", answer.status());
+    // logs in; until then it is still turned away.
+    let patience = Duration::from_secs(retry_after + 5);
+    wait_for("the right token to log in", patience, || async {
+        let status = try_token(TOKEN).await?.status();
+        ensure!(status == 429 || status == 303, "{status}");
+        Ok(status == 303)
+    })
+    .await?;
     console.stop().await?;
     Ok(())
 }
@@ -808,7 +813,8 @@ async fn the_overview_names_the_schema_s_other_consumer_groups() -> anyhow::Resu
         "INSERT INTO mq_failure_ledger (event_id, consumer_group, failures, last_error) \
              VALUES ('e-1', 'billing', 1, 'x'); \
          INSERT INTO mq_slot_member (consumer_group, queue, member) \
-             VALUES ('shipping', 'shipping.slot.0', gen_random_uuid());",
+             VALUES ('shipping', 'shipping.slot.0', gen_random_uuid()), \
+                    ('<script>x</script>', 'q.slot.0', gen_random_uuid());",
     )
     .await?;
     let console = RunningConsole::start(&env, |_| {}).await?;
@@ -826,6 +832,12 @@ async fn the_overview_names_the_schema_s_other_consumer_groups() -> anyhow::Resu
         "{others}"
     );
     ensure!(others.contains("console --consumer-group NAME"), "{others}");
+    // A group's name is text, never markup.
+    ensure!(
+        others.contains("<code>&lt;script&gt;x&lt;/script&gt;</code>")
+            && !others.contains("<script>"),
+        "{others}"
+    );
     console.stop().await?;
     Ok(())
 }
