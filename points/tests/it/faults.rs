@@ -518,8 +518,11 @@ async fn a_filtered_replay_cut_off_mid_way_leaves_exactly_the_letters_it_did_not
         error: Some("order cut-replayed failed".into()),
         ..idem::dlq::Filter::default()
     };
+    // Paced (four seconds for the 400 that match) so that the cut, once
+    // 100 are in the work queue, lands before the replay ends on a loaded
+    // machine too: at twice the rate the margin was a second and a half.
     let replay = idem::dlq::Action::Replay {
-        rate: Some(200.0),
+        rate: Some(100.0),
         include_invalid: false,
     };
     let report = replay_cut_off_mid_way(&env, filter, replay, 100, Proxy::cut).await?;
