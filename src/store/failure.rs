@@ -18,6 +18,14 @@ pub enum StoreError {
     /// A statement or the connection failed.
     #[error("{}", describe(.0))]
     Postgres(#[from] tokio_postgres::Error),
+    /// The server takes no writes: a standby, or a server whose sessions
+    /// are read-only. idem writes at every delivery, so it waits for the
+    /// primary.
+    #[error("{}", read_only(*.standby))]
+    ReadOnly {
+        /// The server is in recovery: a standby.
+        standby: bool,
+    },
 }
 
 impl From<PoolError> for StoreError {
@@ -32,7 +40,7 @@ impl StoreError {
     /// (PostgreSQL refusing new connections to a database says 55000).
     pub fn kind(&self) -> FailureKind {
         match self {
-            StoreError::Pool(_) => FailureKind::Infrastructure,
+            StoreError::Pool(_) | StoreError::ReadOnly { .. } => FailureKind::Infrastructure,
             StoreError::Postgres(error) => classify(error),
         }
     }
@@ -42,7 +50,7 @@ impl StoreError {
     pub fn tls_refused(&self) -> Option<String> {
         let error = match self {
             StoreError::Pool(PoolError::Backend(error)) | StoreError::Postgres(error) => error,
-            StoreError::Pool(_) => return None,
+            StoreError::Pool(_) | StoreError::ReadOnly { .. } => return None,
         };
         // tokio-postgres says so in a plain message, as the cause of its error.
         let declined = std::error::Error::source(error)
@@ -57,6 +65,7 @@ impl StoreError {
         match self {
             StoreError::Pool(error) => describe_pool(error),
             StoreError::Postgres(error) => describe(error),
+            StoreError::ReadOnly { standby } => read_only(*standby),
         }
     }
 
@@ -67,8 +76,23 @@ impl StoreError {
                 error.code()
             }
             StoreError::Pool(_) => None,
+            StoreError::ReadOnly { .. } => Some(&SqlState::READ_ONLY_SQL_TRANSACTION),
         }
     }
+}
+
+/// What to do about a server that takes no writes.
+const WANT_THE_PRIMARY: &str = "idem writes, so it needs the primary: give it every host of the \
+    primary and its standbys with target_session_attrs=read-write, or the service's writer \
+    endpoint";
+
+fn read_only(standby: bool) -> String {
+    let what = if standby {
+        "a standby (in recovery)"
+    } else {
+        "read-only (default_transaction_read_only)"
+    };
+    format!("the server is {what} and takes no writes; {WANT_THE_PRIMARY}")
 }
 
 fn describe_pool(error: &PoolError) -> String {
@@ -82,8 +106,19 @@ fn describe_pool(error: &PoolError) -> String {
 /// The first line of a PostgreSQL error, with its SQLSTATE when there is one.
 pub fn describe(error: &tokio_postgres::Error) -> String {
     match error.as_db_error() {
+        // A primary that became a standby since the session began.
+        Some(db) if *db.code() == SqlState::READ_ONLY_SQL_TRANSACTION => format!(
+            "{} (SQLSTATE {}): the server takes no writes; {WANT_THE_PRIMARY}",
+            db.message(),
+            db.code().code()
+        ),
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         None => match std::error::Error::source(error) {
+            // target_session_attrs=read-write found no host taking writes.
+            Some(source) if source.to_string() == "database does not allow writes" => format!(
+                "{error}: no host given takes writes (each is a standby or read-only): a \
+                 failover under way, or the primary missing from the hosts"
+            ),
             Some(source) => format!("{error}: {source}"),
             None => error.to_string(),
         },

@@ -202,6 +202,34 @@ impl Store {
     /// (0 where none was), the search path they were looked for in, and
     /// idem's functions whose text the schema lacks (none looked for in a
     /// schema before this idem's migrations).
+    /// Waits until the server takes writes, as [`Self::wait_until_ready`]
+    /// waits for it to answer: a standby (which a failover may promote) or
+    /// a read-only server holds the worker, one line per attempt saying
+    /// so and what to give idem instead.
+    pub async fn wait_until_writable(
+        &self,
+        server: &str,
+        patience: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ReadyError> {
+        until_answered(server, patience, shutdown, || self.writable()).await
+    }
+
+    async fn writable(&self) -> Result<(), StoreError> {
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'",
+                &[],
+            )
+            .await?;
+        let (standby, read_only): (bool, bool) = (row.try_get(0)?, row.try_get(1)?);
+        if standby || read_only {
+            return Err(StoreError::ReadOnly { standby });
+        }
+        Ok(())
+    }
+
     async fn schema_versions(
         &self,
         handler: &str,

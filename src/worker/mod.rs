@@ -154,14 +154,15 @@ impl<H: Handler> Worker<H> {
         };
         let store = self.store()?;
         let epochs_pool = epochs::pool(&self.config.database)?;
-        match store
-            .wait_until_ready::<H>(
-                &self.config.database.describe(),
-                self.config.startup_timeout,
-                &shutdown,
-            )
-            .await
-        {
+        let server = self.config.database.describe();
+        let (patience, waiting) = (self.config.startup_timeout, &shutdown);
+        let ready = async {
+            store
+                .wait_until_ready::<H>(&server, patience, waiting)
+                .await?;
+            store.wait_until_writable(&server, patience, waiting).await
+        };
+        match ready.await {
             Ok(()) => {}
             Err(ReadyError::Interrupted) => return Ok(()),
             Err(error) => return Err(error.into()),

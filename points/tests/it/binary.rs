@@ -613,6 +613,41 @@ async fn the_startup_timeout_is_honoured_to_the_second_by_migrate_and_the_worker
     Ok(())
 }
 
+/// A server that takes no writes (here a database whose sessions are
+/// read-only; a standby says the same with "a standby"): the worker waits
+/// for it as for one that does not answer, each attempt's line saying why
+/// and what to give it instead, and gives up at its startup timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_only_server_is_named_as_such_with_what_to_give_the_worker_instead()
+-> anyhow::Result<()> {
+    let env = TestEnv::in_own_database().await?;
+    let database = env.database_name();
+    crate::support::admin()
+        .await?
+        .batch_execute(&format!(
+            "ALTER DATABASE {database} SET default_transaction_read_only = on"
+        ))
+        .await?;
+    let url = crate::support::database_url_in(&database);
+    let mut command = crate::support::idem_command(&env, &amqp_url(), &url);
+    command
+        .env("IDEM_STARTUP_TIMEOUT", "2s")
+        .env("RUST_LOG", "warn")
+        .arg("worker");
+    let (code, _, stderr) = output(command).await?;
+    assert_eq!(code, Some(1), "{stderr}");
+    let said = "the server is read-only (default_transaction_read_only) and takes no writes; \
+        idem writes, so it needs the primary: give it every host of the primary and its \
+        standbys with target_session_attrs=read-write";
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() >= 2 && lines.iter().all(|line| line.contains(said)),
+        "every attempt and the last line say so: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unmigrated_schema_is_named_and_the_dead_letter_commands_say_to_migrate_once()
 -> anyhow::Result<()> {
