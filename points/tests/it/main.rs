@@ -31,6 +31,7 @@ mod console;
 mod dead_letters;
 mod definitions;
 mod docs;
+mod failover;
 mod faults;
 mod handlers;
 mod idempotency;

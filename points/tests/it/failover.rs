@@ -1,0 +1,263 @@
+//! Beyond one PostgreSQL server: a primary and its standby watched by
+//! pg_auto_failover (synchronous replication, its default), the worker
+//! given both hosts with `target_session_attrs=read-write`. The primary's
+//! node is lost under load (its keeper and its PostgreSQL killed with
+//! SIGKILL) and the standby promoted; the lost node rejoins as a standby,
+//! and a planned switchover moves the primary back. Every event is applied
+//! once, nothing is dead-lettered, and no retry is spent on the outage.
+//!
+//! They need the pair of `.ci/pg-failover up DIR`, then
+//! `IDEM_TEST_PG_FAILOVER=DIR cargo test --test it -- --ignored failover::`
+//! (`IDEM_TEST_PG_FAILOVER_TOOL` names the script when it is not the
+//! repository's). Each prints how long its failover took.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+use idem::worker::Mode;
+
+use crate::support::{GROUP, RunningWorker, TestEnv, assert_exact, load, wait_for};
+
+/// The pair's nodes and their ports, as `.ci/pg-failover` runs them.
+const NODES: [(&str, u16); 2] = [("a", 5441), ("b", 5442)];
+
+/// The pair of `IDEM_TEST_PG_FAILOVER`, driven by `.ci/pg-failover`.
+#[derive(Clone)]
+struct Pair {
+    dir: PathBuf,
+    tool: PathBuf,
+}
+
+impl Pair {
+    fn from_env() -> anyhow::Result<Self> {
+        let dir = std::env::var_os("IDEM_TEST_PG_FAILOVER")
+            .context("IDEM_TEST_PG_FAILOVER must name the directory of a `pg-failover up`")?;
+        let tool = std::env::var_os("IDEM_TEST_PG_FAILOVER_TOOL").map_or_else(
+            || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.ci/pg-failover"),
+            PathBuf::from,
+        );
+        Ok(Self {
+            dir: dir.into(),
+            tool,
+        })
+    }
+
+    /// Runs `pg-failover COMMAND DIR ARGS…` off the runtime's threads; its
+    /// standard output.
+    async fn run(&self, command: &str, args: &[&str]) -> anyhow::Result<String> {
+        let mut process = tokio::process::Command::new(&self.tool);
+        process.arg(command).arg(&self.dir).args(args);
+        let output = process
+            .output()
+            .await
+            .with_context(|| format!("running {}", self.tool.display()))?;
+        if !output.status.success() {
+            bail!(
+                "pg-failover {command} {args:?}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&output.stdout).trim().to_owned())
+    }
+
+    /// The node that is primary now (its reported state the monitor's).
+    async fn primary(&self) -> anyhow::Result<Option<&'static str>> {
+        let port = match self.run("primary", &[]).await {
+            Ok(port) => port,
+            Err(_) => return Ok(None),
+        };
+        Ok(NODES
+            .iter()
+            .find(|(_, p)| p.to_string() == port)
+            .map(|(node, _)| *node))
+    }
+
+    /// Both hosts, the primary found by trying them: what a team gives idem.
+    fn url() -> String {
+        let hosts: Vec<String> = NODES
+            .iter()
+            .map(|(_, port)| format!("127.0.0.1:{port}"))
+            .collect();
+        format!(
+            "postgres://postgres@{}/postgres?target_session_attrs=read-write",
+            hosts.join(",")
+        )
+    }
+}
+
+/// Starts every node that is down, and waits for the pair, when a test
+/// ends, however it ends.
+struct PairBack(Pair);
+
+impl Drop for PairBack {
+    fn drop(&mut self) {
+        let pair = &self.0;
+        let output = std::process::Command::new(&pair.tool)
+            .arg("up")
+            .arg(&pair.dir)
+            .output();
+        if !output.is_ok_and(|output| output.status.success()) {
+            eprintln!("could not bring the failover pair back up");
+        }
+    }
+}
+
+/// One test at a time takes the primary away.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The consume records, or none while no server takes the test's query.
+async fn records(env: &TestEnv) -> i64 {
+    env.records(GROUP).await.unwrap_or(0)
+}
+
+async fn the_primary_lost_under_load_then_switched_back(mode: Mode) -> anyhow::Result<()> {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let pair = Pair::from_env()?;
+    pair.run("up", &[]).await?;
+    let _back = PairBack(pair.clone());
+    let first = pair.primary().await?.context("the pair has no primary")?;
+
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    let load = load(&env, 20_000, 0.1, 50);
+    let distinct = idem_points::generate::distinct_events(&load) as i64;
+    env.publish_events(&load).await?;
+    let worker = RunningWorker::start(env.worker_config(mode));
+
+    wait_for(
+        "a third of the load applied",
+        Duration::from_secs(120),
+        || async { Ok(records(&env).await >= distinct / 3) },
+    )
+    .await?;
+    let before = records(&env).await;
+    let lost_at = Instant::now();
+    pair.run("kill", &[first]).await?;
+    // The first commit on the new primary: the records grow again.
+    wait_for(
+        "a commit on the promoted standby",
+        Duration::from_secs(120),
+        || async { Ok(records(&env).await > before) },
+    )
+    .await?;
+    let first_commit = lost_at.elapsed();
+    let promoted = pair.primary().await?;
+    assert!(
+        promoted.is_some_and(|node| node != first),
+        "the other node is primary: {promoted:?}"
+    );
+    wait_for(
+        "two thirds of the load applied",
+        Duration::from_secs(120),
+        || async { Ok(records(&env).await >= 2 * distinct / 3) },
+    )
+    .await?;
+    let settled = lost_at.elapsed();
+
+    // The lost node rejoins as a standby; a planned switchover makes it
+    // the primary again while the worker commits.
+    pair.run("start", &[first]).await?;
+    pair.run("up", &[]).await?;
+    let switched_at = Instant::now();
+    pair.run("switchover", &[]).await?;
+    let switched = switched_at.elapsed();
+    assert_eq!(pair.primary().await?, Some(first), "switched back");
+
+    wait_for("every event applied", Duration::from_secs(180), || async {
+        Ok(records(&env).await >= distinct)
+    })
+    .await?;
+    wait_for(
+        "the work queue to drain",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? == 0) },
+    )
+    .await?;
+    let stats = worker.stop().await?;
+    eprintln!(
+        "{mode:?}: the primary killed at {before} of {distinct} events; first commit on the \
+         promoted standby {first_commit:.1?} later, two thirds applied {settled:.1?} later; \
+         the switchover back took {switched:.1?}; {} transactions held for the database",
+        stats.infrastructure_retries
+    );
+    assert!(
+        stats.infrastructure_retries > 0,
+        "it saw the failover: {stats:?}"
+    );
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (0, 0),
+        "no retry spent on the failover, nothing dead-lettered: {stats:?}"
+    );
+    assert_eq!(
+        env.count_rows("mq_failure_ledger").await?,
+        0,
+        "no failure counted against a message"
+    );
+    assert_exact(&env, &load, &[]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn the_primary_lost_under_load_then_switched_back_applies_each_event_once_in_batches()
+-> anyhow::Result<()> {
+    the_primary_lost_under_load_then_switched_back(Mode::Batch).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn the_primary_lost_under_load_then_switched_back_applies_each_event_once_per_message()
+-> anyhow::Result<()> {
+    the_primary_lost_under_load_then_switched_back(Mode::PerMessage).await
+}
+
+/// A connection string that names only the standby (an old primary after
+/// a failover, say): the worker says that the server is a standby and
+/// what to give it instead, at each attempt, instead of failing every
+/// transaction; it gives up at its startup timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn a_worker_given_only_the_standby_says_so_and_what_to_give_it() -> anyhow::Result<()> {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let pair = Pair::from_env()?;
+    pair.run("up", &[]).await?;
+    let primary = pair.primary().await?.context("the pair has no primary")?;
+    let (_, standby_port) = NODES
+        .iter()
+        .find(|(node, _)| *node != primary)
+        .context("two nodes")?;
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    let standby = format!("postgres://postgres@127.0.0.1:{standby_port}/postgres");
+    // The standby has replayed the schema's migrations.
+    wait_for(
+        "the standby to hold the schema",
+        Duration::from_secs(30),
+        || async {
+            let (client, connection) =
+                tokio_postgres::connect(&standby, tokio_postgres::NoTls).await?;
+            tokio::spawn(connection);
+            let query = format!("SELECT count(*) FROM {}.idem_schema_migrations", env.schema);
+            Ok(client.query_one(&query, &[]).await.is_ok())
+        },
+    )
+    .await?;
+    let mut command = crate::support::idem_command(&env, &crate::support::amqp_url(), &standby);
+    command
+        .env("IDEM_STARTUP_TIMEOUT", "2s")
+        .env("RUST_LOG", "warn")
+        .arg("worker");
+    let output = tokio::time::timeout(Duration::from_secs(60), command.output()).await??;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert!(
+        lines.len() >= 2
+            && lines.iter().all(|line| {
+                line.contains("the server is a standby (in recovery) and takes no writes")
+                    && line.contains("target_session_attrs=read-write")
+            }),
+        "every attempt and the last line say so: {stderr}"
+    );
+    Ok(())
+}
