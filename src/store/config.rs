@@ -160,16 +160,25 @@ impl DatabaseConfig {
                 tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
             })
             .collect();
-        let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+        // One port for every host, or one each (libpq's two forms).
+        let ports = config.get_ports();
+        let port_of = |i: usize| match ports {
+            [] => None,
+            [port] => Some(*port),
+            ports => ports.get(i).copied(),
+        };
+        let hosts: Vec<String> = hosts
+            .iter()
+            .enumerate()
+            .map(|(i, host)| match port_of(i) {
+                Some(port) => format!("{host}:{port}"),
+                None => host.clone(),
+            })
+            .collect();
         format!(
-            "postgres://{}@{}{}/{}",
+            "postgres://{}@{}/{}",
             config.get_user().unwrap_or_default(),
             hosts.join(","),
-            if ports.is_empty() {
-                String::new()
-            } else {
-                format!(":{}", ports.join(","))
-            },
             config.get_dbname().unwrap_or_default()
         )
     }
@@ -372,6 +381,24 @@ pub fn is_identifier(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_database_is_described_by_each_host_with_its_port_and_no_password() {
+        for (url, described) in [
+            ("postgres://u:secret@db:5433/x", "postgres://u@db:5433/x"),
+            (
+                "postgres://u:secret@db-1:5441,db-2:5442/x?target_session_attrs=read-write",
+                "postgres://u@db-1:5441,db-2:5442/x",
+            ),
+            (
+                "host=db-1,db-2 port=5432 user=u password=secret dbname=x",
+                "postgres://u@db-1:5432,db-2:5432/x",
+            ),
+        ] {
+            let config = DatabaseConfig::new(crate::secret::SecretUrl::new(url.to_owned()));
+            assert_eq!(config.describe(), described, "{url}");
+        }
+    }
 
     #[test]
     fn verify_full_is_read_as_require_and_nothing_else_changes() {
