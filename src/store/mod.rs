@@ -51,9 +51,9 @@ pub use filter::Filters;
 pub use flush::Lanes;
 pub use ledger::LedgerEntry;
 pub use parked::{DiscardError, Parked, ParkedEvent, ParkedKey, ParkedTotals, Parking};
-pub use ready::ReadyError;
 #[doc(hidden)]
 pub use ready::until_answered;
+pub use ready::{ReadyError, Replication};
 
 /// The consume records and the failure ledger of one consumer group.
 #[derive(Clone)]

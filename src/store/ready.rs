@@ -79,6 +79,49 @@ pub enum ReadyError {
     Interrupted,
 }
 
+/// What a commit that returned promises, as the server is configured for
+/// idem's sessions.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Replication {
+    /// A commit returns once a synchronous standby has it
+    /// (`synchronous_standby_names`, `synchronous_commit` at least
+    /// `remote_write`): an acked effect survives a failover to it.
+    Synchronous {
+        /// `synchronous_standby_names`.
+        standbys: String,
+    },
+    /// Standbys stream from the server, but a commit returns before any
+    /// has it: a failover to one that is behind loses effects whose
+    /// messages were acked.
+    Asynchronous {
+        /// Standbys streaming now.
+        streaming: i64,
+    },
+    /// No standby streams from the server (a managed service may still
+    /// replicate its storage, out of PostgreSQL's sight).
+    NoStandby,
+}
+
+impl std::fmt::Display for Replication {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Replication::Synchronous { standbys } => write!(
+                f,
+                "commits wait for a synchronous standby ({standbys}): an acked effect survives \
+                 a failover to it"
+            ),
+            Replication::Asynchronous { streaming } => write!(
+                f,
+                "{streaming} standby(s) replicate asynchronously: a failover to one that is \
+                 behind loses effects whose messages were acked; make replication synchronous \
+                 for idem (see the guide, *A PostgreSQL primary and its standbys*)"
+            ),
+            Replication::NoStandby => write!(f, "no standby streams from the server"),
+        }
+    }
+}
+
 /// Runs `operation` until PostgreSQL answers it, retrying with backoff for
 /// at most `patience`, one log line per attempt; a refusal (credentials, an
 /// unknown database, a certificate) ends it at once, as does `shutdown`.
@@ -213,6 +256,34 @@ impl Store {
         shutdown: &CancellationToken,
     ) -> Result<(), ReadyError> {
         until_answered(server, patience, shutdown, || self.writable()).await
+    }
+
+    /// What the server promises about a commit once it returns: whether a
+    /// standby has it, and how many standbys stream from it. A server that
+    /// will not say (its settings or `pg_stat_replication` not readable)
+    /// answers `None`.
+    pub async fn replication(&self) -> Option<Replication> {
+        let client = self.pool.get().await.ok()?;
+        let row = client
+            .query_one(
+                "SELECT current_setting('synchronous_standby_names'), \
+                        current_setting('synchronous_commit'), \
+                        (SELECT count(*) FROM pg_stat_replication)",
+                &[],
+            )
+            .await
+            .ok()?;
+        let (names, commit, streaming): (String, String, i64) =
+            (row.get(0), row.get(1), row.get(2));
+        let waits = !names.trim().is_empty()
+            && matches!(commit.as_str(), "on" | "remote_write" | "remote_apply");
+        Some(if waits {
+            Replication::Synchronous { standbys: names }
+        } else if streaming > 0 {
+            Replication::Asynchronous { streaming }
+        } else {
+            Replication::NoStandby
+        })
     }
 
     async fn writable(&self) -> Result<(), StoreError> {

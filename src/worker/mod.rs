@@ -31,7 +31,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, Span, error, field, info, info_span, warn};
+use tracing::{Instrument, Span, debug, error, field, info, info_span, warn};
 
 #[cfg(feature = "cli")]
 pub(crate) use config::in_flight as transactions_in_flight;
@@ -50,7 +50,7 @@ use crate::broker::{
 };
 use crate::caught;
 use crate::handler::Handler;
-use crate::store::{Applier, DatabaseConfig, Filters, Lanes, ReadyError, Store};
+use crate::store::{Applier, DatabaseConfig, Filters, Lanes, ReadyError, Replication, Store};
 use crate::telemetry::trace;
 use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
@@ -166,6 +166,18 @@ impl<H: Handler> Worker<H> {
             Ok(()) => {}
             Err(ReadyError::Interrupted) => return Ok(()),
             Err(error) => return Err(error.into()),
+        }
+        // What a commit promises; a server without standbys (a developer's,
+        // or a managed service's, which replicates out of sight) at debug.
+        match store.replication().await {
+            Some(replication @ Replication::Asynchronous { .. }) => {
+                warn!("PostgreSQL at {server}: {replication}");
+            }
+            Some(replication @ Replication::Synchronous { .. }) => {
+                info!("PostgreSQL at {server}: {replication}");
+            }
+            Some(replication) => debug!("PostgreSQL at {server}: {replication}"),
+            None => {}
         }
         if let Some(lanes) = store.lanes() {
             lanes.check().await;

@@ -18,10 +18,19 @@ use anyhow::{Context, bail};
 
 use idem::worker::Mode;
 
-use crate::support::{GROUP, RunningWorker, TestEnv, assert_exact, load, wait_for};
+use crate::support::{
+    GROUP, RunningWorker, TestEnv, WorkerProcess, amqp_url, assert_exact, load, wait_for,
+};
 
-/// The pair's nodes and their ports, as `.ci/pg-failover` runs them.
-const NODES: [(&str, u16); 2] = [("a", 5441), ("b", 5442)];
+/// The pair's nodes and their ports, as `.ci/pg-failover` runs them: the
+/// monitor on `PGFAILOVER_PORT` (5440), the nodes above it.
+fn nodes() -> [(&'static str, u16); 2] {
+    let base = std::env::var("PGFAILOVER_PORT")
+        .ok()
+        .and_then(|port| port.parse().ok())
+        .unwrap_or(5440_u16);
+    [("a", base + 1), ("b", base + 2)]
+}
 
 /// The pair of `IDEM_TEST_PG_FAILOVER`, driven by `.ci/pg-failover`.
 #[derive(Clone)]
@@ -68,15 +77,15 @@ impl Pair {
             Ok(port) => port,
             Err(_) => return Ok(None),
         };
-        Ok(NODES
-            .iter()
+        Ok(nodes()
+            .into_iter()
             .find(|(_, p)| p.to_string() == port)
-            .map(|(node, _)| *node))
+            .map(|(node, _)| node))
     }
 
     /// Both hosts, the primary found by trying them: what a team gives idem.
     fn url() -> String {
-        let hosts: Vec<String> = NODES
+        let hosts: Vec<String> = nodes()
             .iter()
             .map(|(_, port)| format!("127.0.0.1:{port}"))
             .collect();
@@ -87,19 +96,22 @@ impl Pair {
     }
 }
 
-/// Starts every node that is down, and waits for the pair, when a test
-/// ends, however it ends.
+/// Starts every node that is down, waits for the pair, and makes its
+/// replication synchronous again, when a test ends, however it ends.
 struct PairBack(Pair);
 
 impl Drop for PairBack {
     fn drop(&mut self) {
         let pair = &self.0;
-        let output = std::process::Command::new(&pair.tool)
-            .arg("up")
-            .arg(&pair.dir)
-            .output();
-        if !output.is_ok_and(|output| output.status.success()) {
-            eprintln!("could not bring the failover pair back up");
+        for args in [&["up"][..], &["replication", "sync"]] {
+            let output = std::process::Command::new(&pair.tool)
+                .arg(args[0])
+                .arg(&pair.dir)
+                .args(&args[1..])
+                .output();
+            if !output.is_ok_and(|output| output.status.success()) {
+                eprintln!("could not bring the failover pair back: {args:?} failed");
+            }
         }
     }
 }
@@ -223,8 +235,8 @@ async fn a_worker_given_only_the_standby_says_so_and_what_to_give_it() -> anyhow
     let pair = Pair::from_env()?;
     pair.run("up", &[]).await?;
     let primary = pair.primary().await?.context("the pair has no primary")?;
-    let (_, standby_port) = NODES
-        .iter()
+    let (_, standby_port) = nodes()
+        .into_iter()
         .find(|(node, _)| *node != primary)
         .context("two nodes")?;
     let env = TestEnv::on_database_server(Pair::url()).await?;
@@ -259,5 +271,46 @@ async fn a_worker_given_only_the_standby_says_so_and_what_to_give_it() -> anyhow
             }),
         "every attempt and the last line say so: {stderr}"
     );
+    Ok(())
+}
+
+/// The worker says at its start what a commit promises: on the pair as
+/// pg_auto_failover runs it, that it waits for the standby; with the
+/// replication made asynchronous, a warning that a failover can lose
+/// effects whose messages were acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn a_worker_says_whether_its_commits_survive_a_failover() -> anyhow::Result<()> {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let pair = Pair::from_env()?;
+    pair.run("up", &[]).await?;
+    let _back = PairBack(pair.clone());
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    for (replication, level) in [("sync", " INFO "), ("async", " WARN ")] {
+        pair.run("replication", &[replication]).await?;
+        let promise = match replication {
+            "sync" => "commits wait for a synchronous standby",
+            _ => {
+                "1 standby(s) replicate asynchronously: a failover to one that is behind loses \
+                  effects whose messages were acked"
+            }
+        };
+        let worker = WorkerProcess::spawn(&env, Mode::Batch, &amqp_url(), &Pair::url(), &[])?;
+        let told = wait_for(
+            "the worker to say what a commit promises",
+            Duration::from_secs(30),
+            || async {
+                let log = worker.log();
+                Ok(log.lines().any(|line| {
+                    line.contains(level)
+                        && line.contains("PostgreSQL at ")
+                        && line.contains(promise)
+                }))
+            },
+        )
+        .await;
+        let log = worker.stop().await?;
+        told.with_context(|| format!("{replication}: {log}"))?;
+    }
     Ok(())
 }
