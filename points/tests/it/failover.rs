@@ -314,3 +314,80 @@ async fn a_worker_says_whether_its_commits_survive_a_failover() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// The outbox through two failovers: the worker applies and relays, and
+/// each time the outbox holds messages the relay has not removed, the
+/// primary's node is killed, the standby promoted, and the lost node
+/// brought back as a standby. Every applied event's credit is downstream
+/// under its key, and none for an event that was not applied; what was
+/// sent and not removed before a kill goes again under its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn the_outbox_through_two_failovers_loses_no_credit_and_keeps_every_key() -> anyhow::Result<()>
+{
+    use crate::outbox::{by_source, credited_queue, expected, unsent};
+    use idem_points::points::Points;
+
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let pair = Pair::from_env()?;
+    pair.run("up", &[]).await?;
+    let _back = PairBack(pair.clone());
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    let queue = credited_queue(&env).await?;
+    let events = load(&env, 4000, 0.1, 50);
+    let want = expected(&events);
+    let handler = Points.announcing(env.topology.exchange.as_str());
+    let worker = RunningWorker::start_with(env.worker_config(Mode::Batch), handler);
+    for (i, part) in events.chunks(2000).enumerate() {
+        env.publish_events(part).await?;
+        wait_for(
+            "messages of the part in the outbox",
+            Duration::from_secs(120),
+            || async { Ok(unsent(&env).await.unwrap_or(0) > 0) },
+        )
+        .await?;
+        let lost = pair.primary().await?.context("the pair has no primary")?;
+        pair.run("kill", &[lost]).await?;
+        wait_for(
+            &format!("failover {}: the standby promoted", i + 1),
+            Duration::from_secs(120),
+            || async { Ok(pair.primary().await?.is_some_and(|node| node != lost)) },
+        )
+        .await?;
+        pair.run("start", &[lost]).await?;
+        pair.run("up", &[]).await?;
+    }
+    // The test's own sessions end with each failover too: a count that
+    // fails is not there yet.
+    wait_for(
+        "every event applied and its credit sent",
+        Duration::from_secs(120),
+        || async {
+            Ok(records(&env).await == want.len() as i64
+                && unsent(&env).await.unwrap_or(1) == 0
+                && env.ready(&env.topology.queue).await? == 0)
+        },
+    )
+    .await?;
+    let stats = worker.stop().await?;
+    assert_eq!(
+        (stats.retried, stats.dead_lettered),
+        (0, 0),
+        "no retry spent on the failovers: {stats:?}"
+    );
+    let received = by_source(&env.peek(&queue).await?)?;
+    let lost: Vec<&String> = want
+        .keys()
+        .filter(|id| !received.contains_key(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} credits lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(3)]
+    );
+    for (id, (credited, _)) in &received {
+        assert_eq!(Some(credited), want.get(id), "{id}");
+    }
+    Ok(())
+}

@@ -47,7 +47,9 @@ pub(crate) async fn credited_queue(env: &TestEnv) -> anyhow::Result<String> {
 /// Checks each received `points.credited` (its key as `message_id` and
 /// header, derived from the group and the source event) and returns them
 /// by source event, with how many copies of each came.
-fn by_source(messages: &[DeadLetter]) -> anyhow::Result<BTreeMap<String, (PointsCredited, usize)>> {
+pub(crate) fn by_source(
+    messages: &[DeadLetter],
+) -> anyhow::Result<BTreeMap<String, (PointsCredited, usize)>> {
     let mut credits: BTreeMap<String, (PointsCredited, usize)> = BTreeMap::new();
     for message in messages {
         let credited: PointsCredited = serde_json::from_slice(&message.body)?;
@@ -87,7 +89,7 @@ fn by_source(messages: &[DeadLetter]) -> anyhow::Result<BTreeMap<String, (Points
 }
 
 /// What a load should have announced: one credit per distinct event.
-fn expected(events: &[PaymentSucceeded]) -> BTreeMap<String, PointsCredited> {
+pub(crate) fn expected(events: &[PaymentSucceeded]) -> BTreeMap<String, PointsCredited> {
     events
         .iter()
         .map(|event| {
@@ -115,7 +117,7 @@ async fn outbox_count(env: &TestEnv, condition: &str) -> anyhow::Result<i64> {
     Ok(row.get(0))
 }
 
-async fn unsent(env: &TestEnv) -> anyhow::Result<i64> {
+pub(crate) async fn unsent(env: &TestEnv) -> anyhow::Result<i64> {
     outbox_count(env, "sent_at IS NULL").await
 }
 
