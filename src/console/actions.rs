@@ -405,7 +405,12 @@ pub(super) async fn progress<H: Handler>(
                 tr { th { "who" } td { (action.who) } }
                 tr { th { "started" } td { (time(action.started_at)) } }
                 tr { th { "expected" } td { (action.expected) } }
-                @if let Some(file) = &action.file { tr { th { "discard file" } td { code { (file) } } } }
+                @if let Some(file) = &action.file { tr { th { "discard file" } td {
+                    code { (file) }
+                    @if who.may_act() {
+                        " " a href=(format!("/actions/{}/file", action.id)) download { "download" }
+                    }
+                } } }
                 tr { th { "finished" } td { (maybe_time(action.finished_at)) } }
                 tr { th { "outcome" } td {
                     @match (&action.outcome, counts) {
@@ -422,4 +427,71 @@ pub(super) async fn progress<H: Handler>(
         p { a href="/audit" { "Audit" } " · " a href="/groups" { "Failure groups" } }
     };
     layout("Action", who.acting().as_deref(), body).into_response()
+}
+
+/// `GET /actions/{id}/file`: the discard file an action wrote, for whoever
+/// may act (it holds the letters' bodies). Only a file the audit names, and
+/// only under the discard directory: an audit row pointing elsewhere opens
+/// nothing.
+pub(super) async fn file<H: Handler>(
+    State(console): State<Console<H>>,
+    Reader(who): Reader,
+    Path(id): Path<String>,
+) -> Response {
+    if !who.may_act() {
+        return refused(
+            StatusCode::FORBIDDEN,
+            "a discard file holds the letters' bodies: log in to download it",
+        );
+    }
+    let Ok(id) = id.parse::<i64>() else {
+        return view::not_found().await;
+    };
+    let action = match console.inner.store.pool().get().await {
+        Ok(client) => read::audited_by_id(&client, id).await,
+        Err(error) => return view::unavailable("the database", &error),
+    };
+    let file = match action {
+        Ok(Some(Audited {
+            file: Some(file), ..
+        })) => file,
+        Ok(_) => return view::not_found().await,
+        Err(error) => return view::unavailable("the database", &error),
+    };
+    let discards = console.inner.config.discard_dir.clone();
+    let under_discards = tokio::task::spawn_blocking(move || {
+        let dir = std::fs::canonicalize(discards)?;
+        let path = std::fs::canonicalize(file)?;
+        if !path.starts_with(&dir) {
+            return Err(std::io::Error::other("outside the discard directory"));
+        }
+        let bytes = std::fs::read(&path)?;
+        Ok((path, bytes))
+    });
+    let Ok(Ok((path, bytes))) = under_discards.await else {
+        return view::not_found().await;
+    };
+    let name = path
+        .file_name()
+        .and_then(|name| name.to_str())
+        .filter(|name| {
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-".contains(c))
+        })
+        .unwrap_or("discarded.jsonl")
+        .to_owned();
+    (
+        [
+            (
+                axum::http::header::CONTENT_TYPE,
+                "application/x-ndjson".to_owned(),
+            ),
+            (
+                axum::http::header::CONTENT_DISPOSITION,
+                format!("attachment; filename=\"{name}\""),
+            ),
+        ],
+        bytes,
+    )
+        .into_response()
 }

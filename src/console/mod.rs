@@ -188,6 +188,7 @@ impl<H: Handler> Console<H> {
             .route("/parked", get(parked::list::<H>).post(parked::act::<H>))
             .route("/parked/preview", post(parked::preview::<H>))
             .route("/actions/{id}", get(actions::progress::<H>))
+            .route("/actions/{id}/file", get(actions::file::<H>))
             .route("/actions/preview", post(actions::preview::<H>))
             .route("/actions", post(actions::start::<H>))
             .route(

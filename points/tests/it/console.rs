@@ -841,3 +841,95 @@ async fn the_overview_names_the_schema_s_other_consumer_groups() -> anyhow::Resu
     console.stop().await?;
     Ok(())
 }
+
+/// A discard's file, fetched from the action that wrote it: by the token's
+/// holder, as an attachment holding the discarded letter; refused to a
+/// reader without the token, and not served for an audit row naming a file
+/// outside the discard directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_token_s_holder_downloads_a_discard_file_from_its_action() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let event = poisoned(&env, 0);
+    let worker = dead_lettered(&env, &[event.to_body()], 1).await?;
+    worker.stop().await?;
+    let group: uuid::Uuid = env
+        .pool
+        .get()
+        .await?
+        .query_one("SELECT group_id FROM mq_dead_letter_group", &[])
+        .await?
+        .get(0);
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let _discards =
+        crate::support::Removed(std::env::temp_dir().join(format!("{}-discarded", env.name)));
+    let _ = idem::tls::provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    let started = http
+        .post(console.url("/actions"))
+        .bearer_auth(TOKEN)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("action=discard&group={group}&expected=1"))
+        .send()
+        .await?;
+    ensure!(started.status() == 303, "{}", started.text().await?);
+    let action = started.headers()["location"].to_str()?.to_owned();
+    wait_for("the discard to end", Duration::from_secs(30), || async {
+        let page = http.get(console.url(&action)).send().await?.text().await?;
+        Ok(page.contains("discarded 1"))
+    })
+    .await?;
+    let download = format!("{action}/file");
+
+    // The action's page links it for the token's holder only.
+    let as_holder = http
+        .get(console.url(&action))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(
+        as_holder.contains(&format!("href=\"{download}\"")),
+        "{as_holder}"
+    );
+    let as_reader = http.get(console.url(&action)).send().await?.text().await?;
+    ensure!(!as_reader.contains(&download), "{as_reader}");
+
+    let file = http
+        .get(console.url(&download))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?;
+    ensure!(file.status() == 200, "{}", file.text().await?);
+    let disposition = file.headers()["content-disposition"].to_str()?.to_owned();
+    ensure!(
+        disposition.starts_with("attachment; filename=\"") && disposition.ends_with(".jsonl\""),
+        "{disposition}"
+    );
+    let body = file.text().await?;
+    ensure!(
+        body.contains(&event.event_id),
+        "the discarded letter: {body}"
+    );
+
+    // A reader without the token is refused; so is a file the audit names
+    // outside the discard directory.
+    let refused = http.get(console.url(&download)).send().await?;
+    ensure!(refused.status() == 403, "{}", refused.status());
+    let id: i64 = action.trim_start_matches("/actions/").parse()?;
+    env.sql(&format!(
+        "UPDATE idem_console_audit SET file = '/etc/passwd' WHERE id = {id}"
+    ))
+    .await?;
+    let elsewhere = http
+        .get(console.url(&download))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?;
+    ensure!(elsewhere.status() == 404, "{}", elsewhere.status());
+    console.stop().await?;
+    Ok(())
+}

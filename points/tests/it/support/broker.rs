@@ -91,7 +91,11 @@ pub struct Removed(pub std::path::PathBuf);
 
 impl Drop for Removed {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
+        if self.0.is_dir() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        } else {
+            let _ = std::fs::remove_file(&self.0);
+        }
     }
 }
 
