@@ -1,6 +1,7 @@
 //! `idem status`: a consumer group at a glance. The work, wait and
 //! dead-letter queues (depth and consumers), the consume records (count,
-//! oldest, epochs), the failure ledger, and the dead letters per reason.
+//! oldest, epochs), what a commit promises (replication), the failure
+//! ledger, and the dead letters per reason.
 
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -12,7 +13,7 @@ use crate::dlq::printable;
 use crate::duration::rfc3339;
 use crate::handler::Handler;
 use crate::store::retention::{self, EpochSummary};
-use crate::store::{IndexTotals, ParkedTotals, ReadyError, Store, StoreError};
+use crate::store::{IndexTotals, ParkedTotals, ReadyError, Replication, Store, StoreError};
 use crate::target::{OpenError, Target};
 
 /// How many failure ledger rows a status looks at, at most: every dead
@@ -38,6 +39,9 @@ pub struct Status {
     pub queues: Vec<QueueState>,
     /// Consume records of the group, and when the oldest was written.
     pub records: (i64, Option<SystemTime>),
+    /// What a commit promises: whether a standby has it once it returns
+    /// (`None`: the server would not say).
+    pub replication: Option<Replication>,
     /// The consume records' epochs (of every group in the schema).
     pub epochs: EpochSummary,
     /// Events of the group failing (a failure counted, neither applied nor
@@ -67,6 +71,7 @@ pub async fn run<H: Handler>(
             store => store?,
         };
         let tables = tables(&store).await?;
+        let replication = store.replication().await;
         let connection = target.connect("idem status", shutdown).await?;
         let queues = queue_states(&connection, &target.topology).await?;
         close(&connection).await;
@@ -79,6 +84,7 @@ pub async fn run<H: Handler>(
             consumer_group: target.consumer_group.clone(),
             queues,
             records: tables.records,
+            replication,
             epochs: tables.epochs,
             failing: tables.failing,
             index: tables.index,
@@ -166,6 +172,9 @@ impl fmt::Display for Status {
             write!(f, " (oldest {})", rfc3339(oldest.as_secs()))?;
         }
         writeln!(f)?;
+        if let Some(replication) = &self.replication {
+            writeln!(f, "  database           {replication}")?;
+        }
         let EpochSummary {
             epochs,
             filtered,

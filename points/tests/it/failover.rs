@@ -274,7 +274,8 @@ async fn a_worker_given_only_the_standby_says_so_and_what_to_give_it() -> anyhow
     Ok(())
 }
 
-/// The worker says at its start what a commit promises: on the pair as
+/// The worker says at its start, and `status` says, what a commit
+/// promises: on the pair as
 /// pg_auto_failover runs it, that it waits for the standby; with the
 /// replication made asynchronous, a warning that a failover can lose
 /// effects whose messages were acked.
@@ -311,6 +312,17 @@ async fn a_worker_says_whether_its_commits_survive_a_failover() -> anyhow::Resul
         .await;
         let log = worker.stop().await?;
         told.with_context(|| format!("{replication}: {log}"))?;
+        // `status` says it too.
+        let status = crate::support::idem_command(&env, &amqp_url(), &Pair::url())
+            .arg("status")
+            .output()
+            .await?;
+        let stdout = String::from_utf8_lossy(&status.stdout);
+        anyhow::ensure!(
+            status.status.success() && stdout.contains(&format!("database           {promise}")),
+            "{replication}: {stdout}{}",
+            String::from_utf8_lossy(&status.stderr)
+        );
     }
     Ok(())
 }

@@ -292,6 +292,10 @@ async fn status_shows_the_queues_records_ledger_and_dead_letters_at_a_glance() -
         "{stdout}"
     );
     assert!(
+        stdout.contains("database           no standby streams from the server"),
+        "{stdout}"
+    );
+    assert!(
         stdout.contains(
             "epochs             1 (0 closed with a filter; the current one has handed out about "
         ),
