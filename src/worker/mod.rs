@@ -154,30 +154,10 @@ impl<H: Handler> Worker<H> {
         };
         let store = self.store()?;
         let epochs_pool = epochs::pool(&self.config.database)?;
-        let server = self.config.database.describe();
-        let (patience, waiting) = (self.config.startup_timeout, &shutdown);
-        let ready = async {
-            store
-                .wait_until_ready::<H>(&server, patience, waiting)
-                .await?;
-            store.wait_until_writable(&server, patience, waiting).await
-        };
-        match ready.await {
+        match ready::<H>(&store, &self.config, &shutdown).await {
             Ok(()) => {}
             Err(ReadyError::Interrupted) => return Ok(()),
             Err(error) => return Err(error.into()),
-        }
-        // What a commit promises; a server without standbys (a developer's,
-        // or a managed service's, which replicates out of sight) at debug.
-        match store.replication().await {
-            Some(replication @ Replication::Asynchronous { .. }) => {
-                warn!("PostgreSQL at {server}: {replication}");
-            }
-            Some(replication @ Replication::Synchronous { .. }) => {
-                info!("PostgreSQL at {server}: {replication}");
-            }
-            Some(replication) => debug!("PostgreSQL at {server}: {replication}"),
-            None => {}
         }
         if let Some(lanes) = store.lanes() {
             lanes.check().await;
@@ -274,6 +254,36 @@ impl<H: Handler> Worker<H> {
         let lanes = self.config.lanes;
         Ok(store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?)))
     }
+}
+
+/// Waits until the database answers, is migrated for `H` and takes
+/// writes, then says what a commit promises: a server without standbys (a
+/// developer's, or a managed service's, which replicates out of sight) at
+/// debug.
+async fn ready<H: Handler>(
+    store: &Store,
+    config: &WorkerConfig,
+    shutdown: &CancellationToken,
+) -> Result<(), ReadyError> {
+    let server = config.database.describe();
+    let patience = config.startup_timeout;
+    store
+        .wait_until_ready::<H>(&server, patience, shutdown)
+        .await?;
+    store
+        .wait_until_writable(&server, patience, shutdown)
+        .await?;
+    match store.replication().await {
+        Some(replication @ Replication::Asynchronous { .. }) => {
+            warn!("PostgreSQL at {server}: {replication}");
+        }
+        Some(replication @ Replication::Synchronous { .. }) => {
+            info!("PostgreSQL at {server}: {replication}");
+        }
+        Some(replication) => debug!("PostgreSQL at {server}: {replication}"),
+        None => {}
+    }
+    Ok(())
 }
 
 /// The totals of a worker that stopped; nothing for one that never
