@@ -933,3 +933,76 @@ async fn the_token_s_holder_downloads_a_discard_file_from_its_action() -> anyhow
     console.stop().await?;
     Ok(())
 }
+
+/// In Chromium: a letter whose body is a script, discarded through the
+/// pages once logged in; its action page then offers the file, which the
+/// browser takes as a download (the page stays, nothing runs), and a
+/// reader who has not logged in is offered no link to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_discards_a_script_body_and_its_file_is_offered_only_once_logged_in()
+-> anyhow::Result<()> {
+    let Some(browser) = Browser::start().await? else {
+        return Ok(());
+    };
+    let env = TestEnv::new().await?;
+    let body = b"<script>document.title='ran'</script>".to_vec();
+    let worker = dead_lettered(&env, &[body], 1).await?;
+    worker.stop().await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let _discards =
+        crate::support::Removed(std::env::temp_dir().join(format!("{}-discarded", env.name)));
+    let page = &browser.client;
+
+    browser.log_in(&console).await?;
+    page.goto(&console.url("/groups")).await?;
+    page.find(Locator::Css("main a[href^='/groups/']"))
+        .await?
+        .click()
+        .await?;
+    page.find(Locator::Css("button[value=discard]"))
+        .await?
+        .click()
+        .await?;
+    browser.text_holding("main", "A discard writes").await?;
+    page.find(Locator::Css("form[action='/actions'] button"))
+        .await?
+        .click()
+        .await?;
+    browser.text_holding("main", "discarded 1").await?;
+    let action = page.current_url().await?;
+    let link = page
+        .find(Locator::LinkText("download"))
+        .await
+        .context("the discard file's link, for who may act")?;
+    let href = link.attr("href").await?.context("a link")?;
+    ensure!(
+        href == format!("{}/file", action.path()),
+        "{href} beside {action}"
+    );
+    // Taken as a download: the action page stays, and no script ran.
+    link.click().await?;
+    browser.text_holding("main", "discarded 1").await?;
+    ensure!(page.current_url().await? == action);
+    ensure!(page.title().await? != "ran");
+    ensure!(env.ready(&env.topology.dead_letter_queue).await? == 0);
+
+    // Logged out, the same page offers no link to the file.
+    page.goto(&console.url("/login")).await?;
+    page.find(Locator::Css("form[action='/logout'] button"))
+        .await?
+        .click()
+        .await?;
+    // Logging out leads to the overview.
+    browser.text_holding("main", "dead letters (index)").await?;
+    page.goto(action.as_str()).await?;
+    browser.text_holding("main", "discarded 1").await?;
+    ensure!(
+        page.find_all(Locator::LinkText("download"))
+            .await?
+            .is_empty(),
+        "a reader is offered the file"
+    );
+    browser.close().await?;
+    console.stop().await?;
+    Ok(())
+}
