@@ -47,9 +47,7 @@ pub(crate) async fn credited_queue(env: &TestEnv) -> anyhow::Result<String> {
 /// Checks each received `points.credited` (its key as `message_id` and
 /// header, derived from the group and the source event) and returns them
 /// by source event, with how many copies of each came.
-pub(crate) fn by_source(
-    messages: &[DeadLetter],
-) -> anyhow::Result<BTreeMap<String, (PointsCredited, usize)>> {
+fn by_source(messages: &[DeadLetter]) -> anyhow::Result<BTreeMap<String, (PointsCredited, usize)>> {
     let mut credits: BTreeMap<String, (PointsCredited, usize)> = BTreeMap::new();
     for message in messages {
         let credited: PointsCredited = serde_json::from_slice(&message.body)?;
@@ -89,6 +87,30 @@ pub(crate) fn by_source(
 }
 
 /// What a load should have announced: one credit per distinct event.
+/// The credits in `queue`, one for each event of `want` and as it says,
+/// none for another.
+pub(crate) async fn every_credit_received(
+    env: &TestEnv,
+    queue: &str,
+    want: &BTreeMap<String, PointsCredited>,
+) -> anyhow::Result<()> {
+    let received = by_source(&env.peek(queue).await?)?;
+    let lost: Vec<&String> = want
+        .keys()
+        .filter(|id| !received.contains_key(*id))
+        .collect();
+    assert!(
+        lost.is_empty(),
+        "{} credits lost, among them {:?}",
+        lost.len(),
+        &lost[..lost.len().min(3)]
+    );
+    for (id, (credited, _)) in &received {
+        assert_eq!(Some(credited), want.get(id), "{id}");
+    }
+    Ok(())
+}
+
 pub(crate) fn expected(events: &[PaymentSucceeded]) -> BTreeMap<String, PointsCredited> {
     events
         .iter()
@@ -352,21 +374,7 @@ async fn a_database_server_crash_loses_no_credit_and_keeps_every_key() -> anyhow
     )
     .await?;
     worker.stop().await?;
-    let received = by_source(&env.peek(&queue).await?)?;
-    let lost: Vec<&String> = want
-        .keys()
-        .filter(|id| !received.contains_key(*id))
-        .collect();
-    assert!(
-        lost.is_empty(),
-        "{} credits lost, among them {:?}",
-        lost.len(),
-        &lost[..lost.len().min(3)]
-    );
-    for (id, (credited, _)) in &received {
-        assert_eq!(Some(credited), want.get(id), "{id}");
-    }
-    Ok(())
+    every_credit_received(&env, &queue, &want).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
