@@ -72,6 +72,8 @@ pub const MAX_IN_FLIGHT: &str = "IDEM_MAX_IN_FLIGHT";
 pub const POOL_SIZE: &str = "IDEM_POOL_SIZE";
 /// `worker --lanes`.
 pub const LANES: &str = "IDEM_LANES";
+/// `worker --ack-after-standbys`.
+pub const ACK_AFTER_STANDBYS: &str = "IDEM_ACK_AFTER_STANDBYS";
 /// `worker --max-body-bytes`.
 pub const MAX_BODY_BYTES: &str = "IDEM_MAX_BODY_BYTES";
 /// `worker --max-parked-per-key`.

@@ -411,6 +411,9 @@ impl<H: Handler> Applier<H> {
                 .claim_straight(client, batch, &keys, &amounts, unflushed)
                 .await?
         {
+            if !unflushed {
+                self.store.replicated(client).await?;
+            }
             return Ok((claimed, from_epoch));
         }
         let mut params = batch.claim_params().to_vec();
@@ -425,6 +428,10 @@ impl<H: Handler> Applier<H> {
         };
         let statement = client.prepare_cached(statement).await.map_err(database)?;
         let rows = client.query(&statement, &params).await.map_err(database)?;
+        // Unflushed, the flush that finds the records waits for the standbys.
+        if !unflushed {
+            self.store.replicated(client).await?;
+        }
         Ok((claimed(&batch.ids, &rows).map_err(database)?, from_epoch))
     }
 
@@ -523,6 +530,7 @@ impl<H: Handler> Applier<H> {
             .map_err(database)?;
         self.before_commit(&batch.ids).await?;
         tx.commit().await.map_err(database)?;
+        self.store.replicated(&client).await?;
         Ok(claimed)
     }
 

@@ -26,6 +26,22 @@ pub enum StoreError {
         /// The server is in recovery: a standby.
         standby: bool,
     },
+    /// Fewer standbys than the worker waits for (`--ack-after-standbys`)
+    /// flushed a commit within the wait: its deliveries are not acked, and
+    /// its transaction runs again.
+    #[error(
+        "{have} of the {wanted} standby(s) that acks wait for (--ack-after-standbys) \
+         flushed idem's commit within {within:?}: the deliveries wait, unacked, and \
+         their transaction runs again"
+    )]
+    StandbysBehind {
+        /// Standbys that had it.
+        have: u32,
+        /// Standbys the worker waits for.
+        wanted: u32,
+        /// How long it waited.
+        within: std::time::Duration,
+    },
 }
 
 impl From<PoolError> for StoreError {
@@ -40,7 +56,9 @@ impl StoreError {
     /// (PostgreSQL refusing new connections to a database says 55000).
     pub fn kind(&self) -> FailureKind {
         match self {
-            StoreError::Pool(_) | StoreError::ReadOnly { .. } => FailureKind::Infrastructure,
+            StoreError::Pool(_)
+            | StoreError::ReadOnly { .. }
+            | StoreError::StandbysBehind { .. } => FailureKind::Infrastructure,
             StoreError::Postgres(error) => classify(error),
         }
     }
@@ -50,7 +68,11 @@ impl StoreError {
     pub fn tls_refused(&self) -> Option<String> {
         let error = match self {
             StoreError::Pool(PoolError::Backend(error)) | StoreError::Postgres(error) => error,
-            StoreError::Pool(_) | StoreError::ReadOnly { .. } => return None,
+            StoreError::Pool(_)
+            | StoreError::ReadOnly { .. }
+            | StoreError::StandbysBehind { .. } => {
+                return None;
+            }
         };
         // tokio-postgres says so in a plain message, as the cause of its error.
         let declined = std::error::Error::source(error)
@@ -66,6 +88,7 @@ impl StoreError {
             StoreError::Pool(error) => describe_pool(error),
             StoreError::Postgres(error) => describe(error),
             StoreError::ReadOnly { standby } => read_only(*standby),
+            StoreError::StandbysBehind { .. } => self.to_string(),
         }
     }
 
@@ -75,7 +98,7 @@ impl StoreError {
             StoreError::Pool(PoolError::Backend(error)) | StoreError::Postgres(error) => {
                 error.code()
             }
-            StoreError::Pool(_) => None,
+            StoreError::Pool(_) | StoreError::StandbysBehind { .. } => None,
             StoreError::ReadOnly { .. } => Some(&SqlState::READ_ONLY_SQL_TRANSACTION),
         }
     }

@@ -30,7 +30,7 @@ use tokio_postgres::error::SqlState;
 use tracing::warn;
 use uuid::Uuid;
 
-use super::{StoreError, describe};
+use super::{Standbys, StoreError, describe};
 
 /// The flush: the records of `$1` (digests) in the epochs from `$2` on, and
 /// a WAL record in the same transaction. A transaction that wrote no WAL
@@ -71,13 +71,20 @@ impl Lanes {
     /// `lanes` connections of `pool` (a pool of their own, as large) for
     /// the claims, and flushes on a connection of `flush_pool` (of its
     /// own too).
-    pub fn new(pool: Pool, lanes: usize, flush_pool: Pool) -> Self {
+    /// With `standbys`, a flush returns once they have it too.
+    pub fn new(
+        pool: Pool,
+        lanes: usize,
+        flush_pool: Pool,
+        standbys: Option<Arc<Standbys>>,
+    ) -> Self {
         let (requests, received) = mpsc::unbounded_channel();
         let refused = Arc::new(AtomicBool::new(false));
         tokio::spawn(flush_rounds(
             flush_pool.clone(),
             received,
             Arc::clone(&refused),
+            standbys,
         ));
         Self {
             inner: Arc::new(Inner {
@@ -104,7 +111,7 @@ impl Lanes {
     /// until it is granted again.) A flush that fails otherwise is left
     /// to the claims to meet.
     pub async fn check(&self) {
-        if let Err(error) = flush(&self.inner.flush_pool, &mut None, &[], 0).await {
+        if let Err(error) = flush(&self.inner.flush_pool, &mut None, &[], 0, None).await {
             refusal(&error, &self.inner.refused);
         }
     }
@@ -154,6 +161,7 @@ async fn flush_rounds(
     pool: Pool,
     mut requests: mpsc::UnboundedReceiver<Request>,
     refused: Arc<AtomicBool>,
+    standbys: Option<Arc<Standbys>>,
 ) {
     let mut client = None;
     while let Some(first) = requests.recv().await {
@@ -170,7 +178,15 @@ async fn flush_rounds(
             .map(|request| request.from_epoch)
             .min()
             .unwrap_or(0);
-        let found = match flush(&pool, &mut client, &digests, from_epoch).await {
+        let flushed = flush(
+            &pool,
+            &mut client,
+            &digests,
+            from_epoch,
+            standbys.as_deref(),
+        )
+        .await;
+        let found = match flushed {
             Ok(found) => found,
             Err(error) => {
                 client = None;
@@ -202,12 +218,14 @@ fn refusal(error: &StoreError, refused: &AtomicBool) {
 }
 
 /// One flush on `client` (a connection of `pool` when there is none): the
-/// digests of `digests` it found, sorted.
+/// digests of `digests` it found, sorted, once `standbys` (if any) have
+/// the flush too.
 async fn flush(
     pool: &Pool,
     client: &mut Option<Object>,
     digests: &[Uuid],
     from_epoch: i32,
+    standbys: Option<&Standbys>,
 ) -> Result<Vec<Uuid>, StoreError> {
     let client = match client {
         Some(client) => client,
@@ -222,6 +240,9 @@ async fn flush(
     };
     let statement = client.prepare_cached(FLUSH).await?;
     let rows = client.query(&statement, &[&digests, &from_epoch]).await?;
+    if let Some(standbys) = standbys {
+        standbys.have_commits_of(client).await?;
+    }
     let mut found = rows
         .iter()
         .map(|row| row.try_get(0))

@@ -83,6 +83,7 @@ pub(crate) const FUNCTIONS: &[Function] = &[
     function!("mq_dead_letter_error_tally_add"),
     function!("mq_dead_letter_tally"),
     function!("mq_dead_letter_groups"),
+    function!("mq_standbys_have"),
 ];
 
 /// The checksum a migration or a function is recorded with: the SHA-256 of

@@ -22,6 +22,7 @@ pub mod outbox;
 mod parked;
 mod ready;
 pub mod retention;
+mod standbys;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -54,6 +55,7 @@ pub use parked::{DiscardError, Parked, ParkedEvent, ParkedKey, ParkedTotals, Par
 #[doc(hidden)]
 pub use ready::until_answered;
 pub use ready::{ReadyError, Replication};
+pub use standbys::Standbys;
 
 /// The consume records and the failure ledger of one consumer group.
 #[derive(Clone)]
@@ -71,6 +73,9 @@ pub struct Store {
     lanes: Option<Lanes>,
     /// Most bytes of a dead letter's body the index keeps.
     kept_body_bytes: usize,
+    /// The standbys a commit waits for before its deliveries are acked
+    /// ([`Store::with_standbys`]); none: a commit is enough.
+    standbys: Option<Arc<Standbys>>,
 }
 
 impl std::fmt::Debug for Store {
@@ -93,6 +98,7 @@ impl Store {
             filters: Arc::default(),
             lanes: None,
             kept_body_bytes: dead_letters::KEPT_BODY_BYTES,
+            standbys: None,
         }
     }
 
@@ -117,6 +123,33 @@ impl Store {
         Self {
             lanes: Some(lanes),
             ..self
+        }
+    }
+
+    /// The same store, a transaction whose deliveries are to be acked
+    /// returning only once `standbys` have its commit
+    /// ([`Standbys`]). Give lanes after this.
+    pub fn with_standbys(self, standbys: Arc<Standbys>) -> Self {
+        Self {
+            standbys: Some(standbys),
+            ..self
+        }
+    }
+
+    /// The standbys its commits wait for, if any.
+    pub fn standbys(&self) -> Option<&Arc<Standbys>> {
+        self.standbys.as_ref()
+    }
+
+    /// Returns once the standbys the store waits for, if any, have what
+    /// `client`'s session committed last.
+    pub(crate) async fn replicated(
+        &self,
+        client: &deadpool_postgres::ClientWrapper,
+    ) -> Result<(), StoreError> {
+        match &self.standbys {
+            Some(standbys) => standbys.have_commits_of(client).await,
+            None => Ok(()),
         }
     }
 

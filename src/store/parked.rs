@@ -275,6 +275,7 @@ impl Store {
             }
         }
         tx.commit().await?;
+        self.replicated(&client).await?;
         Ok(parked)
     }
 
@@ -333,6 +334,7 @@ impl Store {
             .await?;
         }
         tx.commit().await?;
+        self.replicated(&client).await?;
         Ok(true)
     }
 

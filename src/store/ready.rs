@@ -74,6 +74,17 @@ pub enum ReadyError {
         /// The functions, by name.
         functions: String,
     },
+    /// Acks wait for standbys, but the role may not read where they are.
+    #[error(
+        "PostgreSQL at {server}: --ack-after-standbys reads the standbys' positions \
+         (pg_stat_replication), which role {role} may not: GRANT pg_read_all_stats TO {role}"
+    )]
+    StandbysHidden {
+        /// The database.
+        server: String,
+        /// The session's role.
+        role: String,
+    },
     /// Shutdown was asked for while waiting.
     #[error("interrupted while waiting for PostgreSQL")]
     Interrupted,
@@ -284,6 +295,49 @@ impl Store {
         } else {
             Replication::NoStandby
         })
+    }
+
+    /// With acks after standbys ([`Store::with_standbys`]): refuses a role
+    /// that cannot read the standbys' positions, which would never count,
+    /// and says how many standbys stream now and how many a commit waits
+    /// for.
+    pub async fn check_standbys(&self, server: &str) -> Result<(), ReadyError> {
+        let Some(standbys) = &self.standbys else {
+            return Ok(());
+        };
+        let refused = |error: StoreError| ReadyError::Refused {
+            server: server.to_owned(),
+            error,
+        };
+        let client = self.pool.get().await.map_err(|e| refused(e.into()))?;
+        let row = client
+            .query_one(
+                "SELECT current_user::text, pg_has_role('pg_read_all_stats', 'MEMBER'), \
+                        (SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming')",
+                &[],
+            )
+            .await
+            .map_err(|e| refused(e.into()))?;
+        let (role, reads, streaming): (String, bool, i64) = (row.get(0), row.get(1), row.get(2));
+        if !reads {
+            return Err(ReadyError::StandbysHidden {
+                server: server.to_owned(),
+                role,
+            });
+        }
+        let wanted = standbys.wanted();
+        if streaming < i64::from(wanted) {
+            tracing::warn!(
+                "PostgreSQL at {server}: acks wait for {wanted} standby(s), {streaming} stream now: \
+                 deliveries wait, unacked, until enough catch up"
+            );
+        } else {
+            tracing::info!(
+                "PostgreSQL at {server}: a delivery is acked once {wanted} of the {streaming} \
+                 standby(s) streaming have flushed its commit"
+            );
+        }
+        Ok(())
     }
 
     async fn writable(&self) -> Result<(), StoreError> {

@@ -108,6 +108,13 @@ pub struct WorkerConfig {
     /// flush. Per-message mode's default; batch mode, whose commits share
     /// a flush among a batch already, has none.
     pub lanes: usize,
+    /// Standbys that must have flushed a transaction's commit before its
+    /// deliveries are acked ([`crate::store::Standbys`]): for a primary
+    /// whose standbys replicate asynchronously, where a failover to one
+    /// that is behind loses what the primary committed last. 0: a commit
+    /// is enough (right when replication is synchronous, or there is no
+    /// standby).
+    pub ack_after_standbys: u32,
     /// Bodies above this many bytes are invalid.
     pub max_body_bytes: usize,
     /// Most bytes of a dead letter's body the dead-letter index keeps, for
@@ -223,6 +230,7 @@ impl WorkerConfig {
             batch_wait: Self::DEFAULT_BATCH_WAIT,
             max_in_flight: tuning.max_in_flight,
             lanes: tuning.lanes,
+            ack_after_standbys: 0,
             max_body_bytes: Self::DEFAULT_MAX_BODY_BYTES,
             kept_body_bytes: crate::store::dead_letters::KEPT_BODY_BYTES,
             shutdown_timeout: Self::DEFAULT_SHUTDOWN_TIMEOUT,

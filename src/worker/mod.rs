@@ -50,7 +50,9 @@ use crate::broker::{
 };
 use crate::caught;
 use crate::handler::Handler;
-use crate::store::{Applier, DatabaseConfig, Filters, Lanes, ReadyError, Replication, Store};
+use crate::store::{
+    Applier, DatabaseConfig, Filters, Lanes, ReadyError, Replication, Standbys, Store,
+};
 use crate::telemetry::trace;
 use forward::{Copy, Forwarder};
 use health::DatabaseHealth;
@@ -238,9 +240,18 @@ impl<H: Handler> Worker<H> {
     fn store(&self) -> Result<Store, WorkerError> {
         let pool = self.config.database.pool()?;
         let filters = Arc::new(Filters::new(self.stats.epochs().clone()));
-        let store = Store::new(pool, self.config.consumer_group.clone())
+        let mut store = Store::new(pool, self.config.consumer_group.clone())
             .with_filters(filters)
             .with_kept_body_bytes(self.config.kept_body_bytes);
+        let standbys = (self.config.ack_after_standbys > 0).then(|| {
+            Arc::new(Standbys::new(
+                self.config.ack_after_standbys,
+                self.config.database.statement_timeout,
+            ))
+        });
+        if let Some(standbys) = &standbys {
+            store = store.with_standbys(Arc::clone(standbys));
+        }
         if self.config.lanes == 0 {
             return Ok(store);
         }
@@ -252,7 +263,7 @@ impl<H: Handler> Worker<H> {
             .pool()
         };
         let lanes = self.config.lanes;
-        Ok(store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?)))
+        Ok(store.with_lanes(Lanes::new(pool_of(lanes)?, lanes, pool_of(1)?, standbys)))
     }
 }
 
@@ -274,16 +285,18 @@ async fn ready<H: Handler>(
         .wait_until_writable(&server, patience, shutdown)
         .await?;
     match store.replication().await {
-        Some(replication @ Replication::Asynchronous { .. }) => {
+        Some(replication @ Replication::Asynchronous { .. }) if store.standbys().is_none() => {
             warn!("PostgreSQL at {server}: {replication}");
         }
         Some(replication @ Replication::Synchronous { .. }) => {
             info!("PostgreSQL at {server}: {replication}");
         }
+        // Said by `check_standbys`, which makes it safe.
+        Some(Replication::Asynchronous { .. }) => {}
         Some(replication) => debug!("PostgreSQL at {server}: {replication}"),
         None => {}
     }
-    Ok(())
+    store.check_standbys(&server).await
 }
 
 /// The totals of a worker that stopped; nothing for one that never

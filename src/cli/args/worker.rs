@@ -66,6 +66,9 @@ pub(crate) struct WorkerArgs<F: Args> {
     /// Connections a tally handler's claims share, each committed without waiting for its own flush; a shared flush confirms them before their acks; 0: none [default: 2 per message, 0 in batch mode].
     #[arg(long, env = vars::LANES, value_parser = clap::value_parser!(u32).range(0..=64))]
     pub(crate) lanes: Option<u32>,
+    /// Ack a delivery only once this many standbys have flushed its commit, for a primary whose standbys replicate asynchronously (a failover to one that is behind would lose acked effects); 0: once it commits. Needs the role in pg_read_all_stats.
+    #[arg(long, env = vars::ACK_AFTER_STANDBYS, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub(crate) ack_after_standbys: u32,
     /// Bodies larger than this many bytes are invalid (dead-lettered unparsed).
     #[arg(long, env = vars::MAX_BODY_BYTES, default_value_t = WorkerConfig::DEFAULT_MAX_BODY_BYTES)]
     pub(crate) max_body_bytes: usize,
@@ -372,6 +375,7 @@ impl<F: Args> WorkerArgs<F> {
             batch_wait: self.batch_wait.0,
             max_in_flight,
             lanes: self.lanes.map_or(defaults.lanes, |n| n as usize),
+            ack_after_standbys: self.ack_after_standbys,
             max_body_bytes: self.max_body_bytes,
             kept_body_bytes: self.kept_body_bytes,
             shutdown_timeout: self.shutdown_timeout.0,
