@@ -45,9 +45,13 @@ impl Standbys {
 
     /// Waits for `wanted` standbys (at least one), each wait at most
     /// [`Standbys::DEFAULT_WITHIN`], or less when the sessions'
-    /// `statement_timeout` is shorter.
+    /// `statement_timeout` is shorter (zero: none).
     pub fn new(wanted: u32, statement_timeout: Duration) -> Self {
-        let within = Self::DEFAULT_WITHIN.min(statement_timeout.saturating_sub(MARGIN));
+        let within = if statement_timeout.is_zero() {
+            Self::DEFAULT_WITHIN
+        } else {
+            Self::DEFAULT_WITHIN.min(statement_timeout.saturating_sub(MARGIN))
+        };
         Self {
             wanted: i32::try_from(wanted.max(1)).unwrap_or(i32::MAX),
             within: within.max(Duration::from_millis(100)),
@@ -96,5 +100,23 @@ impl Standbys {
             warn!("{error}");
         }
         Err(error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wait_ends_before_the_statement_timeout_and_takes_none_as_none() {
+        let within = |timeout| Standbys::new(1, timeout).within;
+        assert_eq!(within(Duration::ZERO), Standbys::DEFAULT_WITHIN);
+        assert_eq!(within(Duration::from_secs(60)), Standbys::DEFAULT_WITHIN);
+        assert_eq!(within(Duration::from_secs(2)), Duration::from_millis(1500));
+        assert_eq!(
+            within(Duration::from_millis(300)),
+            Duration::from_millis(100)
+        );
+        assert_eq!(Standbys::new(0, Duration::ZERO).wanted(), 1);
     }
 }
