@@ -119,16 +119,23 @@ impl Drop for PairBack {
 /// One test at a time takes the primary away.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The pair up, for this test alone, and brought back up (and synchronous)
+/// however the test ends, before the next may take it.
+async fn the_pair() -> anyhow::Result<(tokio::sync::MutexGuard<'static, ()>, Pair, PairBack)> {
+    let alone = ONE_AT_A_TIME.lock().await;
+    let pair = Pair::from_env()?;
+    pair.run("up", &[]).await?;
+    let back = PairBack(pair.clone());
+    Ok((alone, pair, back))
+}
+
 /// The consume records, or none while no server takes the test's query.
 async fn records(env: &TestEnv) -> i64 {
     env.records(GROUP).await.unwrap_or(0)
 }
 
 async fn the_primary_lost_under_load_then_switched_back(mode: Mode) -> anyhow::Result<()> {
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let pair = Pair::from_env()?;
-    pair.run("up", &[]).await?;
-    let _back = PairBack(pair.clone());
+    let (_alone, pair, _back) = the_pair().await?;
     let first = pair.primary().await?.context("the pair has no primary")?;
 
     let env = TestEnv::on_database_server(Pair::url()).await?;
@@ -284,10 +291,7 @@ async fn a_worker_given_only_the_standby_says_so_and_what_to_give_it() -> anyhow
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
 async fn a_worker_says_whether_its_commits_survive_a_failover() -> anyhow::Result<()> {
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let pair = Pair::from_env()?;
-    pair.run("up", &[]).await?;
-    let _back = PairBack(pair.clone());
+    let (_alone, pair, _back) = the_pair().await?;
     let env = TestEnv::on_database_server(Pair::url()).await?;
     for (replication, level) in [("sync", " INFO "), ("async", " WARN ")] {
         pair.run("replication", &[replication]).await?;
@@ -339,13 +343,10 @@ async fn a_worker_says_whether_its_commits_survive_a_failover() -> anyhow::Resul
 #[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
 async fn the_outbox_through_two_failovers_loses_no_credit_and_keeps_every_key() -> anyhow::Result<()>
 {
-    use crate::outbox::{credited_queue, every_credit_received, expected, unsent};
+    use crate::outbox::{credited_queue, expected, unsent};
     use idem_points::points::Points;
 
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let pair = Pair::from_env()?;
-    pair.run("up", &[]).await?;
-    let _back = PairBack(pair.clone());
+    let (_alone, pair, _back) = the_pair().await?;
     let env = TestEnv::on_database_server(Pair::url()).await?;
     let queue = credited_queue(&env).await?;
     let events = load(&env, 4000, 0.1, 50);
@@ -371,14 +372,25 @@ async fn the_outbox_through_two_failovers_loses_no_credit_and_keeps_every_key() 
         pair.run("start", &[lost]).await?;
         pair.run("up", &[]).await?;
     }
-    // The test's own sessions end with each failover too: a count that
-    // fails is not there yet.
+    every_credit_downstream(&env, worker, &queue, &want).await
+}
+
+/// Once every event is applied, its credit sent and the work queue
+/// drained (the test's own sessions end with a failover too: a count that
+/// fails is not there yet): no retry spent, nothing dead-lettered, and
+/// every credit downstream under its key.
+async fn every_credit_downstream(
+    env: &TestEnv,
+    worker: RunningWorker,
+    queue: &str,
+    want: &std::collections::BTreeMap<String, idem_points::points::PointsCredited>,
+) -> anyhow::Result<()> {
     wait_for(
         "every event applied and its credit sent",
         Duration::from_secs(120),
         || async {
-            Ok(records(&env).await == want.len() as i64
-                && unsent(&env).await.unwrap_or(1) == 0
+            Ok(records(env).await == want.len() as i64
+                && crate::outbox::unsent(env).await.unwrap_or(1) == 0
                 && env.ready(&env.topology.queue).await? == 0)
         },
     )
@@ -389,7 +401,7 @@ async fn the_outbox_through_two_failovers_loses_no_credit_and_keeps_every_key() 
         (0, 0),
         "no retry spent on the failovers: {stats:?}"
     );
-    every_credit_received(&env, &queue, &want).await
+    crate::outbox::every_credit_received(env, queue, want).await
 }
 
 /// The standby held behind under asynchronous replication (the primary's
@@ -404,10 +416,7 @@ async fn the_outbox_through_two_failovers_loses_no_credit_and_keeps_every_key() 
 #[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
 async fn acks_after_the_standby_lose_nothing_when_a_standby_behind_is_promoted()
 -> anyhow::Result<()> {
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let pair = Pair::from_env()?;
-    pair.run("up", &[]).await?;
-    let _back = PairBack(pair.clone());
+    let (_alone, pair, _back) = the_pair().await?;
     pair.run("replication", &["async"]).await?;
 
     let lost = lost_to_a_standby_behind(&pair, 0).await?;
@@ -506,4 +515,246 @@ async fn lost_to_a_standby_behind(pair: &Pair, standbys: u32) -> anyhow::Result<
         lost,
         stats,
     })
+}
+
+/// A prune cut by a failover, with the worker applying and relaying: two
+/// closed epochs past the window, the prune's transaction that drops the
+/// first of them held after its `DROP TABLE` (the test's own session
+/// holds the epoch's row), and the primary killed then. On the promoted
+/// standby each epoch is whole, its row and its partition both there;
+/// the next prune drops both; every applied event's credit is downstream
+/// under its key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn a_prune_cut_by_a_failover_leaves_every_epoch_whole() -> anyhow::Result<()> {
+    use crate::outbox::{credited_queue, expected};
+    use idem::store::retention::{self, PruneConfig};
+    use idem_points::points::Points;
+
+    let (_alone, pair, _back) = the_pair().await?;
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    let queue = credited_queue(&env).await?;
+    // Two closed epochs and the current one, all opened a month ago: a
+    // prune with a week's window drops the closed ones.
+    let closed = {
+        let client = env.pool.get().await?;
+        let first = retention::epochs(&client)
+            .await?
+            .last()
+            .context("no epoch")?
+            .epoch;
+        let second = retention::open_epoch(&client).await?;
+        retention::open_epoch(&client).await?;
+        client
+            .execute(
+                "UPDATE mq_consume_epoch SET opened_at = opened_at - interval '30 days'",
+                &[],
+            )
+            .await?;
+        [first, second]
+    };
+    let events = load(&env, 4000, 0.1, 50);
+    let want = expected(&events);
+    env.publish_events(&events).await?;
+    let handler = Points.announcing(env.topology.exchange.as_str());
+    let worker = RunningWorker::start_with(env.worker_config(Mode::Batch), handler);
+    wait_for(
+        "a tenth of the load applied",
+        Duration::from_secs(120),
+        || async { Ok(records(&env).await >= want.len() as i64 / 10) },
+    )
+    .await?;
+
+    // The first epoch's row held, the prune drops its partition and waits.
+    let holder = env.pool.get().await?;
+    holder
+        .batch_execute(&format!(
+            "BEGIN; SELECT 1 FROM mq_consume_epoch WHERE epoch = {} FOR UPDATE",
+            closed[0]
+        ))
+        .await?;
+    let week = Duration::from_secs(7 * 86_400);
+    let config = PruneConfig::new(
+        week,
+        Duration::from_secs(100 * 86_400),
+        Duration::from_secs(120),
+    );
+    let pool = env.pool.clone();
+    let pruning = tokio::spawn(async move { retention::prune(&pool, &config).await });
+    wait_for(
+        "the prune to have dropped a partition and to wait for the epoch's row",
+        Duration::from_secs(60),
+        || async {
+            if pruning.is_finished() {
+                bail!("the prune ended without waiting for the epoch's row");
+            }
+            // Not on the holder's session: within its transaction, the
+            // server's activity reads as it was at the first look.
+            let waiting: i64 = env
+                .pool
+                .get()
+                .await?
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                     AND query LIKE 'DELETE FROM mq_consume_epoch%'",
+                    &[],
+                )
+                .await?
+                .get(0);
+            Ok(waiting == 1)
+        },
+    )
+    .await?;
+    let lost = pair.primary().await?.context("the pair has no primary")?;
+    pair.run("kill", &[lost]).await?;
+    let cut = pruning.await?;
+    anyhow::ensure!(cut.is_err(), "the prune was cut by the kill: {cut:?}");
+    wait_for("the standby promoted", Duration::from_secs(120), || async {
+        Ok(pair.primary().await?.is_some_and(|node| node != lost))
+    })
+    .await?;
+
+    // Each closed epoch whole on the promoted standby: its row and its
+    // partition.
+    let whole = "SELECT count(*) FROM mq_consume_epoch AS e \
+                 WHERE e.epoch = ANY($1) AND to_regclass('mq_consume_record_' || e.epoch) IS NOT NULL";
+    wait_for(
+        "the epochs read on the promoted standby",
+        Duration::from_secs(60),
+        || async { Ok(env.records(GROUP).await.is_ok()) },
+    )
+    .await?;
+    let kept: i64 = env
+        .pool
+        .get()
+        .await?
+        .query_one(whole, &[&closed.to_vec()])
+        .await?
+        .get(0);
+    assert_eq!(kept, 2, "both closed epochs whole after the failover");
+    let pruned = retention::prune(&env.pool, &config)
+        .await?
+        .context("another pruner held the lock")?;
+    assert_eq!(pruned.dropped, closed.to_vec(), "{pruned:?}");
+    let client = env.pool.get().await?;
+    let left: i64 = client
+        .query_one(
+            "SELECT count(*) FROM mq_consume_epoch AS e WHERE e.epoch = ANY($1)",
+            &[&closed.to_vec()],
+        )
+        .await?
+        .get(0);
+    let tables: i64 = client
+        .query_one(
+            "SELECT count(*) FROM unnest($1::int[]) AS e(epoch) \
+             WHERE to_regclass('mq_consume_record_' || e.epoch) IS NOT NULL",
+            &[&closed.to_vec()],
+        )
+        .await?
+        .get(0);
+    assert_eq!((left, tables), (0, 0), "the next prune removed both whole");
+
+    pair.run("start", &[lost]).await?;
+    pair.run("up", &[]).await?;
+    every_credit_downstream(&env, worker, &queue, &want).await
+}
+
+/// A replay of dead letters through a failover: 600 letters replayed at
+/// 100 a second, the primary killed once 100 are back in the work queue.
+/// The replay stops with a line naming the database (or goes on, once its
+/// connection finds the promoted standby), never with a panic; what it
+/// had not acked is a dead letter still, and a second replay takes it;
+/// `dlq sync` leaves the index empty with the queue; every event is then
+/// applied exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
+async fn a_replay_through_a_failover_loses_no_letter_and_applies_nothing_twice()
+-> anyhow::Result<()> {
+    let (_alone, pair, _back) = the_pair().await?;
+    let env = TestEnv::on_database_server(Pair::url()).await?;
+    let events = env
+        .failed_events(&["failover-a", "failover-b"], 300)
+        .await?;
+    let dead_letters = &env.topology.dead_letter_queue;
+    let mut replay = WorkerProcess::start({
+        let mut command = crate::support::idem_command(&env, &amqp_url(), &Pair::url());
+        command.args(["dlq", "replay", "--rate", "100"]);
+        command
+    })?;
+    wait_for(
+        "the replay to be under way",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
+    )
+    .await?;
+    let lost = pair.primary().await?.context("the pair has no primary")?;
+    pair.run("kill", &[lost]).await?;
+    let code = replay.wait(Duration::from_secs(180)).await?;
+    let log = replay.log();
+    anyhow::ensure!(!log.contains("panicked"), "the replay panicked:\n{log}");
+    let last = log.lines().last().unwrap_or_default();
+    eprintln!("the replay through the failover: exit {code:?}; its last line: {last}");
+    if code != Some(0) {
+        anyhow::ensure!(
+            last.contains("PostgreSQL") || last.contains("database"),
+            "the replay stopped with {code:?}, its last line naming no database:\n{log}"
+        );
+    }
+    wait_for("the standby promoted", Duration::from_secs(120), || async {
+        Ok(pair.primary().await?.is_some_and(|node| node != lost))
+    })
+    .await?;
+    // What the first replay had not acked is back in the queue once the
+    // broker has seen its connection go.
+    wait_for(
+        "the replay's letters back in the queue",
+        Duration::from_secs(60),
+        || async {
+            let ready = env.ready(dead_letters).await?;
+            Ok(u64::from(ready) == env.messages(dead_letters)?)
+        },
+    )
+    .await?;
+    let again = crate::support::idem_command(&env, &amqp_url(), &Pair::url())
+        .args(["dlq", "replay"])
+        .output()
+        .await?;
+    anyhow::ensure!(
+        again.status.success(),
+        "the second replay: {}{}",
+        String::from_utf8_lossy(&again.stdout),
+        String::from_utf8_lossy(&again.stderr)
+    );
+    wait_for(
+        "the dead-letter queue empty",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(dead_letters).await? == 0 && env.messages(dead_letters)? == 0) },
+    )
+    .await?;
+    let sync = crate::support::idem_command(&env, &amqp_url(), &Pair::url())
+        .args(["dlq", "sync"])
+        .output()
+        .await?;
+    anyhow::ensure!(
+        sync.status.success(),
+        "dlq sync: {}",
+        String::from_utf8_lossy(&sync.stderr)
+    );
+    assert_eq!(
+        env.count_rows("mq_dead_letter").await?,
+        0,
+        "the index holds what the queue holds: nothing"
+    );
+    pair.run("start", &[lost]).await?;
+    pair.run("up", &[]).await?;
+    // Nothing twice: a letter replayed by both runs is absorbed by its
+    // consume record.
+    let distinct = idem_points::generate::distinct_events(&events) as i64;
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_for("every event applied", Duration::from_secs(120), || async {
+        Ok(records(&env).await >= distinct && env.ready(&env.topology.queue).await? == 0)
+    })
+    .await?;
+    worker.stop().await?;
+    assert_exact(&env, &events, &[]).await
 }
