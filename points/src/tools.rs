@@ -310,6 +310,12 @@ pub(crate) struct BenchArgs {
     /// order, and of a parked key to every other key.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub(crate) ordered: Option<u16>,
+    /// Beside each of idem's modes, the same load once more with the
+    /// worker's --ack-after-standbys N: against a primary with standbys
+    /// (give every host in the database URL), the cost of acking only what
+    /// N standbys have flushed.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub(crate) ack_after_standbys: Option<u32>,
     /// What to measure.
     #[arg(
         long,
@@ -516,6 +522,7 @@ impl BenchArgs {
             },
             modes: self.modes.clone(),
             ordered: self.ordered,
+            ack_after_standbys: self.ack_after_standbys,
             worker_binary,
             baseline_binary: self.baseline.clone(),
         })

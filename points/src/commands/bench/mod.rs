@@ -101,6 +101,9 @@ pub struct BenchConfig {
     /// batch mode once more with one key poisoned: its first event fails
     /// every attempt, so its key is parked while every other key flows.
     pub ordered: Option<u16>,
+    /// Beside each of idem's modes, the same load with the worker's
+    /// `--ack-after-standbys` set to this.
+    pub ack_after_standbys: Option<u32>,
     /// The idem binary to run as the worker.
     pub worker_binary: PathBuf,
     /// Another build of idem to measure beside it, in the same rounds.
@@ -210,6 +213,8 @@ pub(super) const BATCH_BASELINE: &str = "3 batch, baseline build";
 pub(super) const PER_MESSAGE_ORDERED: &str = "2 per-message, ordered per key";
 pub(super) const BATCH_ORDERED: &str = "3 batch, ordered per key";
 pub(super) const BATCH_POISONED: &str = "3 batch, ordered, one key poisoned";
+pub(super) const PER_MESSAGE_STANDBYS: &str = "2 per-message, acked after the standbys";
+pub(super) const BATCH_STANDBYS: &str = "3 batch, acked after the standbys";
 pub(super) const BATCH_OUTBOX: &str = "4 batch, outbox on (applied and sent)";
 pub(super) const BATCH_OUTBOX_BASELINE: &str = "4 batch, outbox on, baseline build";
 pub(super) const PUBLISHED_ALONE: &str = "5 credits published alone, per credit";

@@ -145,6 +145,11 @@ impl fmt::Display for BenchReport {
                 writeln!(f, "{} / unordered: {times:.2} ×", label(ordered))?;
             }
         }
+        for (waiting, at_commit) in [(PER_MESSAGE_STANDBYS, PER_MESSAGE), (BATCH_STANDBYS, BATCH)] {
+            if let Some(times) = ratio(&rates(waiting), &rates(at_commit)) {
+                writeln!(f, "{} / acked at commit: {times:.2} ×", label(waiting))?;
+            }
+        }
         if let Some(times) = ratio(&rates(BATCH_POISONED), &rates(BATCH_ORDERED)) {
             writeln!(
                 f,

@@ -106,6 +106,9 @@ impl Bench<'_> {
                         }
                     }
                 }
+                bench
+                    .acked_after_standbys(wanted, &args, &load, &mut report)
+                    .await?;
                 if let Some(ordered) = &ordered {
                     let runs: &[(&str, bool)] = match wanted {
                         Mode::PerMessage => &[(PER_MESSAGE_ORDERED, false)],
@@ -192,6 +195,40 @@ impl Bench<'_> {
             }
         }
         Ok(report)
+    }
+}
+
+impl Bench<'_> {
+    /// With `--ack-after-standbys`, `wanted`'s run once more with it.
+    async fn acked_after_standbys(
+        &self,
+        wanted: Mode,
+        args: &[String],
+        load: &[PaymentSucceeded],
+        report: &mut BenchReport,
+    ) -> anyhow::Result<()> {
+        let Some(standbys) = self.config.ack_after_standbys else {
+            return Ok(());
+        };
+        let key = match wanted {
+            Mode::PerMessage => PER_MESSAGE_STANDBYS,
+            _ => BATCH_STANDBYS,
+        };
+        let mut args = args.to_vec();
+        args.extend(["--ack-after-standbys".into(), standbys.to_string()]);
+        let run = Run {
+            records: IDEM_RECORDS,
+            floor: 0,
+            outbox: false,
+            removal: None,
+            poisoned: false,
+        };
+        let measured = self
+            .run_afresh(&self.config.worker_binary, load, &args, run)
+            .await?;
+        eprintln!("  {:<30} {:>9.0} msgs/s", label(key), measured.rate);
+        report.push(key.to_owned(), measured);
+        Ok(())
     }
 }
 
