@@ -405,13 +405,16 @@ async fn every_credit_downstream(
 }
 
 /// The standby held behind under asynchronous replication (the primary's
-/// walsender stopped: the standby receives nothing more, and says so),
-/// half the load applied, the primary killed and the standby promoted.
+/// walsender stopped: the standby receives nothing more, and still reads
+/// as streaming), half the load applied, the primary killed and the
+/// standby promoted.
 /// Acking at commit, events whose messages were acked are gone: the test
 /// prints how many. With `ack_after_standbys`, no delivery is acked before
 /// a standby has its commit: the deliveries wait, unacked, the events run
 /// again on the promoted standby once a standby streams from it (the lost
-/// node, back), and every event is applied exactly once.
+/// node, back), and every event is applied exactly once: in batch mode,
+/// whose transactions wait, and in per-message mode, whose shared flush
+/// does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs a failover pair: IDEM_TEST_PG_FAILOVER, see docs/guide/development.md"]
 async fn acks_after_the_standby_lose_nothing_when_a_standby_behind_is_promoted()
@@ -419,7 +422,7 @@ async fn acks_after_the_standby_lose_nothing_when_a_standby_behind_is_promoted()
     let (_alone, pair, _back) = the_pair().await?;
     pair.run("replication", &["async"]).await?;
 
-    let lost = lost_to_a_standby_behind(&pair, 0).await?;
+    let lost = lost_to_a_standby_behind(&pair, 0, Mode::Batch).await?;
     eprintln!(
         "acking at commit: {} of {} events lost once the standby behind was promoted",
         lost.lost, lost.distinct
@@ -430,21 +433,20 @@ async fn acks_after_the_standby_lose_nothing_when_a_standby_behind_is_promoted()
          shows nothing ({lost:?})"
     );
 
-    let kept = lost_to_a_standby_behind(&pair, 1).await?;
-    eprintln!(
-        "acking after the standby: {} of {} events lost; {} transactions held for the standby",
-        kept.lost, kept.distinct, kept.stats.infrastructure_retries
-    );
-    assert_eq!(kept.lost, 0, "{kept:?}");
-    assert!(
-        kept.stats.infrastructure_retries > 0,
-        "the deliveries waited for the standby: {kept:?}"
-    );
-    assert_eq!(
-        (kept.stats.retried, kept.stats.dead_lettered),
-        (0, 0),
-        "no retry spent waiting for the standby, nothing dead-lettered: {kept:?}"
-    );
+    for mode in Mode::ALL {
+        let kept = lost_to_a_standby_behind(&pair, 1, mode).await?;
+        eprintln!(
+            "{mode:?}, acking after the standby: {} of {} events lost; {} transactions held \
+             for the standby",
+            kept.lost, kept.distinct, kept.stats.infrastructure_retries
+        );
+        assert_eq!(kept.lost, 0, "{mode:?}: {kept:?}");
+        assert_eq!(
+            (kept.stats.retried, kept.stats.dead_lettered),
+            (0, 0),
+            "{mode:?}: no retry spent waiting for the standby, nothing dead-lettered: {kept:?}"
+        );
+    }
     Ok(())
 }
 
@@ -460,18 +462,19 @@ struct Loss {
 /// primary killed once part of it is committed and brought back as a
 /// standby once the other is promoted. How many events are missing once
 /// every delivery was acked.
-async fn lost_to_a_standby_behind(pair: &Pair, standbys: u32) -> anyhow::Result<Loss> {
+async fn lost_to_a_standby_behind(pair: &Pair, standbys: u32, mode: Mode) -> anyhow::Result<Loss> {
     let env = TestEnv::on_database_server(Pair::url()).await?;
     let load = load(&env, 20_000, 0.1, 50);
     let distinct = idem_points::generate::distinct_events(&load) as i64;
     env.publish_events(&load).await?;
     let first = pair.primary().await?.context("the pair has no primary")?;
     pair.run("hold", &[first]).await?;
-    let mut config = env.worker_config(Mode::Batch);
+    let mut config = env.worker_config(mode);
     config.ack_after_standbys = standbys;
     let worker = RunningWorker::start(config);
     // Acking after the standby, the first transaction that waits in vain
-    // holds the worker (as an outage of the database does).
+    // holds the worker (as an outage of the database does): every record
+    // on the primary is one the standby does not have.
     let committed = if standbys == 0 { distinct / 2 } else { 1 };
     wait_for(
         "part of the load committed on the primary",
@@ -479,7 +482,9 @@ async fn lost_to_a_standby_behind(pair: &Pair, standbys: u32) -> anyhow::Result<
         || async { Ok(records(&env).await >= committed) },
     )
     .await?;
-    if standbys > 0 {
+    // Batch mode counts each wait that ran out; per-message mode's claims
+    // that wait in their shared flush run again uncounted.
+    if standbys > 0 && mode == Mode::Batch {
         wait_for(
             "a transaction held for the standby",
             Duration::from_secs(30),
