@@ -36,6 +36,11 @@ pub const DEATH_TIME_HEADER: &str = "x-idem-death-time";
 /// How many times it died this way in that queue since it was last
 /// published by its producer or replayed: 1. See [`DEATH_QUEUE_HEADER`].
 pub const DEATH_COUNT_HEADER: &str = "x-idem-death-count";
+/// The handler's detail of the failure that killed it
+/// ([`HandlerError::permanent_for`](crate::handler::HandlerError::permanent_for)'s
+/// second part), when it gave one: kept out of the grouping, shown on the
+/// console's letter page. See [`DEATH_QUEUE_HEADER`].
+pub const DEATH_DETAIL_HEADER: &str = "x-idem-death-detail";
 
 /// The most recent death of a message, from its `x-death` header, or from
 /// idem's own (see [`DEATH_QUEUE_HEADER`]) when it has none.
@@ -195,7 +200,7 @@ fn routed_headers(original: Option<&FieldTable>, exchange: &str, routing_key: &s
 /// dead-letter queue), with the route it was first published with (the
 /// delivery's `exchange` and `routing_key`, unless a wait recorded it), and
 /// idem's record of its death in `queue` for `reason`, at `time` (seconds
-/// since the Unix epoch).
+/// since the Unix epoch), with the handler's `detail` of the failure.
 pub fn dead_letter_properties(
     properties: &BasicProperties,
     exchange: &str,
@@ -203,6 +208,7 @@ pub fn dead_letter_properties(
     queue: &str,
     reason: &str,
     time: u64,
+    detail: Option<&str>,
 ) -> BasicProperties {
     let mut headers = routed_headers(properties.headers().as_ref(), exchange, routing_key);
     for (name, value) in [
@@ -212,6 +218,12 @@ pub fn dead_letter_properties(
         (DEATH_TIME_HEADER, AMQPValue::Timestamp(time)),
     ] {
         headers.insert(ShortString::from(name), value);
+    }
+    if let Some(detail) = detail {
+        headers.insert(
+            ShortString::from(DEATH_DETAIL_HEADER),
+            AMQPValue::LongString(detail.into()),
+        );
     }
     without_expiration(properties)
         .with_headers(headers)
@@ -414,6 +426,7 @@ mod tests {
             "work",
             "rejected",
             1_700_000_000,
+            Some("account 42"),
         );
         assert_eq!(letter.expiration(), &None, "a letter must not expire");
         assert_eq!(letter.delivery_mode(), &Some(2));
@@ -422,6 +435,10 @@ mod tests {
             Some("m-1")
         );
         let headers = letter.headers().as_ref();
+        assert_eq!(
+            headers.and_then(|h| h.inner().get(DEATH_DETAIL_HEADER)),
+            Some(&AMQPValue::LongString("account 42".into()))
+        );
         assert_eq!(
             Death::latest(headers),
             Some(Death {

@@ -16,6 +16,26 @@ pub(crate) fn properties_json(properties: &BasicProperties) -> Value {
     })
 }
 
+/// The properties (as [`properties_json`] writes them) of a message that
+/// died of a failure the handler gave `detail` of, as the index keeps them:
+/// with the header its dead-letter copy carries
+/// ([`DEATH_DETAIL_HEADER`](super::death::DEATH_DETAIL_HEADER)), so that a
+/// sync from the queue reads the same.
+pub(crate) fn with_death_detail(mut properties: Value, detail: Option<&str>) -> Value {
+    let Some(detail) = detail else {
+        return properties;
+    };
+    if !properties.is_object() {
+        properties = json!({});
+    }
+    let headers = &mut properties["headers"];
+    if !headers.is_object() {
+        *headers = json!({});
+    }
+    headers[super::death::DEATH_DETAIL_HEADER] = json!(detail);
+    properties
+}
+
 /// A field table as a JSON object.
 pub(crate) fn table_json(table: &FieldTable) -> Value {
     Value::Object(

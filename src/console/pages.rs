@@ -544,32 +544,7 @@ pub(super) async fn letter<H: Handler>(
                 tr { th { "a replay now" } td { strong { (verdict(row.invalid, letter.applied_now)) } } }
             }
         }
-        h2 { "Failures" }
-        table {
-            thead { tr { th { "" } th.n { "failures" } th { "error" } th { "first" } th { "last" } } }
-            tbody {
-                tr { td { "when it died" } td.n { (letter.failures) } td { (row.error.as_deref().unwrap_or("—")) } td { "—" } td { (time(row.dead_at)) } }
-                @if let Some((failures, error, first, last)) = &letter.ledger {
-                    tr { td { "the ledger now" } td.n { (failures) } td { (error) } td { (maybe_time(*first)) } td { (maybe_time(*last)) } }
-                }
-            }
-        }
-        @if let Some(deaths) = letter.headers.as_ref().and_then(|h| h.pointer("/headers/x-death")).and_then(|d| d.as_array()) {
-            h3 { "Deaths the broker recorded (x-death)" }
-            table {
-                thead { tr { th { "queue" } th { "reason" } th.n { "count" } th { "time" } } }
-                tbody {
-                    @for death in deaths {
-                        tr {
-                            td { (death.get("queue").and_then(|v| v.as_str()).unwrap_or("—")) }
-                            td { (death.get("reason").and_then(|v| v.as_str()).unwrap_or("—")) }
-                            td.n { (death.get("count").map(|v| v.to_string()).unwrap_or_default()) }
-                            td { (death.get("time").and_then(serde_json::Value::as_u64).map(crate::duration::rfc3339).unwrap_or_default()) }
-                        }
-                    }
-                }
-            }
-        }
+        (failures(&letter))
         (letter_contents(&letter, hide))
         @if who.may_act() {
             form method="post" action="/actions/preview" {
@@ -586,6 +561,62 @@ pub(super) async fn letter<H: Handler>(
         }
     };
     layout("Letter", who.acting().as_deref(), body).into_response()
+}
+
+/// A letter's failures (when it died, with the handler's detail, and in
+/// the ledger now) and the deaths the broker recorded.
+fn failures(letter: &read::Letter) -> Markup {
+    let row = &letter.row;
+    html! {
+    h2 { "Failures" }
+    table {
+        thead { tr { th { "" } th.n { "failures" } th { "error" } th { "first" } th { "last" } } }
+        tbody {
+            tr {
+                td { "when it died" }
+                td.n { (letter.failures) }
+                td {
+                    (row.error.as_deref().unwrap_or("—"))
+                    @if let Some(detail) = death_detail(letter) {
+                        div.detail { "the handler's detail: " q { (detail) } }
+                    }
+                }
+                td { "—" }
+                td { (time(row.dead_at)) }
+            }
+            @if let Some((failures, error, first, last)) = &letter.ledger {
+                tr { td { "the ledger now" } td.n { (failures) } td { (error) } td { (maybe_time(*first)) } td { (maybe_time(*last)) } }
+            }
+        }
+    }
+    @if let Some(deaths) = letter.headers.as_ref().and_then(|h| h.pointer("/headers/x-death")).and_then(|d| d.as_array()) {
+        h3 { "Deaths the broker recorded (x-death)" }
+        table {
+            thead { tr { th { "queue" } th { "reason" } th.n { "count" } th { "time" } } }
+            tbody {
+                @for death in deaths {
+                    tr {
+                        td { (death.get("queue").and_then(|v| v.as_str()).unwrap_or("—")) }
+                        td { (death.get("reason").and_then(|v| v.as_str()).unwrap_or("—")) }
+                        td.n { (death.get("count").map(|v| v.to_string()).unwrap_or_default()) }
+                        td { (death.get("time").and_then(serde_json::Value::as_u64).map(crate::duration::rfc3339).unwrap_or_default()) }
+                    }
+                }
+            }
+        }
+    }
+    }
+}
+
+/// The handler's detail of the failure that killed `letter`, which idem's
+/// dead-letter copy carries in a header of its own.
+fn death_detail(letter: &read::Letter) -> Option<&str> {
+    letter
+        .headers
+        .as_ref()?
+        .get("headers")?
+        .get(crate::broker::death::DEATH_DETAIL_HEADER)?
+        .as_str()
 }
 
 /// A body as text: pretty-printed JSON where it is JSON, its keys in the

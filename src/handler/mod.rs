@@ -428,7 +428,9 @@ impl HandlerError {
     /// This message can never apply, for `reason`, which the failure ledger
     /// and the dead-letter index keep and `dlq summary` groups letters by;
     /// `detail` (which account, which order) goes into the worker's log
-    /// line with the event id, and leaves the grouping alone.
+    /// line with the event id and, when the message is dead-lettered, onto
+    /// its letter (the header `x-idem-death-detail`, which the console's
+    /// letter page shows beside the error), and leaves the grouping alone.
     pub fn permanent_for(reason: impl fmt::Display, detail: impl fmt::Display) -> Self {
         Self::Permanent(Box::new(Detailed::new(reason, detail)))
     }
@@ -467,7 +469,7 @@ impl Detailed {
         &self.reason
     }
 
-    /// What only the log line says.
+    /// What the log line and the letter say, outside the grouping.
     pub fn detail(&self) -> &str {
         &self.detail
     }

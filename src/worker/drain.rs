@@ -136,7 +136,8 @@ impl<H: Handler> Drainer<H> {
                 // Decoded when it was parked: a handler that changed since.
                 let reason = invalid.to_string();
                 processor.stats.invalid(1);
-                self.dead_letter(key, &parked, None, &reason).await?;
+                self.dead_letter(key, &parked, None, (&reason, None))
+                    .await?;
                 return Ok(false);
             }
         };
@@ -193,8 +194,8 @@ impl<H: Handler> Drainer<H> {
                             "a parked key's head is out of attempts: dead-lettering it; its key stays parked until it is replayed or released"
                         );
                         processor.stats.dead_lettered(1);
-                        self.dead_letter(key, &parked, Some(&event), &failure.reason)
-                            .await?;
+                        let why = (failure.reason.as_str(), failure.detail.as_deref());
+                        self.dead_letter(key, &parked, Some(&event), why).await?;
                     }
                 }
                 Ok(false)
@@ -205,14 +206,14 @@ impl<H: Handler> Drainer<H> {
     /// Dead-letters the parked head `parked` (of `event`, when it decodes;
     /// written into the dead-letter index first, with what the handler
     /// sends when it gives up, then confirmed by the broker), then marks
-    /// its key's head dead. When the broker does not take it, the head
-    /// waits and is tried again.
+    /// its key's head dead, for `error` (and the handler's detail of it).
+    /// When the broker does not take it, the head waits and is tried again.
     async fn dead_letter(
         &mut self,
         key: &str,
         parked: &ParkedEvent,
         event: Option<&H::Event>,
-        error: &str,
+        (error, detail): (&str, Option<&str>),
     ) -> Result<(), StoreError> {
         let processor = Arc::clone(&self.processor);
         let topology = &processor.topology;
@@ -231,7 +232,10 @@ impl<H: Handler> Drainer<H> {
             error: Some(error.to_owned()),
             dead_at: None,
             body: Some(parked.body.clone()),
-            properties: Some(properties.clone()),
+            properties: Some(crate::broker::json::with_death_detail(
+                properties.clone(),
+                detail,
+            )),
         };
         self.store().dead_lettered(&[letter], &given_up).await?;
         let now = std::time::SystemTime::now()
@@ -248,6 +252,7 @@ impl<H: Handler> Drainer<H> {
                 &parked.queue,
                 DEAD_LETTER_REASON,
                 now.as_secs(),
+                detail,
             ),
         };
         if let Err(why) = self.publish(&message).await {

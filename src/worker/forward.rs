@@ -201,8 +201,12 @@ impl Copy {
     /// key the work queue's `x-dead-letter-routing-key` names, and idem's
     /// record of its death where the broker would write `x-death`.
     /// `queue` is the one it died in (a slot queue of an ordered queue):
-    /// where a replay sends it.
-    pub(crate) fn to_die(topology: &Topology, queue: &str, delivery: Delivery) -> Self {
+    /// where a replay sends it. `detail` is the handler's of the failure.
+    pub(crate) fn to_die(
+        topology: &Topology,
+        queue: &str,
+        (delivery, detail): (Delivery, Option<String>),
+    ) -> Self {
         let properties = dead_letter_properties(
             &delivery.properties,
             delivery.exchange.as_str(),
@@ -210,6 +214,7 @@ impl Copy {
             queue,
             DEAD_LETTER_REASON,
             now().as_secs(),
+            detail.as_deref(),
         );
         Self {
             tag: delivery.delivery_tag,

@@ -577,7 +577,7 @@ async fn settle_batch<H: Handler>(
                     .map(|waiting| Copy::to_wait(topology, waiting));
                 let dead = std::mem::take(&mut decided.dead)
                     .into_iter()
-                    .map(|delivery| Copy::to_die(topology, &decided.queue, delivery));
+                    .map(|dying| Copy::to_die(topology, &decided.queue, dying));
                 let copies = waiting.chain(dead).collect();
                 let sent = Box::pin(forward::send(&forwarder, copies));
                 decided.settlements.extend(sent.await);

@@ -66,8 +66,9 @@ pub(crate) const DEAD_LETTER_REASON: &str = "rejected";
 pub(crate) struct Decided {
     pub(crate) settlements: Vec<Settlement>,
     pub(crate) waiting: Vec<Waiting>,
-    /// Invalid, or out of attempts: each goes to the dead-letter exchange.
-    pub(crate) dead: Vec<Delivery>,
+    /// Invalid, or out of attempts: each goes to the dead-letter exchange,
+    /// with the handler's detail of why when it gave one.
+    pub(crate) dead: Vec<(Delivery, Option<String>)>,
     /// What the dead-letter index is told before the letters go out.
     dead_letters: Vec<DeadLetter>,
     /// What the handler sends for the letters, written with the index.
@@ -84,15 +85,16 @@ impl Decided {
     }
 
     /// Dead-letters `delivery` (`event_id` when it is a valid event; why it
-    /// failed when the failure ledger does not say).
+    /// failed when the failure ledger does not say, and the handler's
+    /// detail of it).
     fn dead_letter(
         &mut self,
-        topology: &Topology,
         delivery: Delivery,
         event_id: Option<&str>,
         error: Option<String>,
+        detail: Option<String>,
     ) {
-        let _ = topology;
+        let properties = crate::broker::json::properties_json(&delivery.properties);
         self.dead_letters.push(DeadLetter {
             key: event_id.map_or_else(|| body_key(&delivery.data), event_key),
             event_id: event_id.map(str::to_owned),
@@ -102,9 +104,12 @@ impl Decided {
             error,
             dead_at: None,
             body: Some(delivery.data.clone()),
-            properties: Some(crate::broker::json::properties_json(&delivery.properties)),
+            properties: Some(crate::broker::json::with_death_detail(
+                properties,
+                detail.as_deref(),
+            )),
         });
-        self.dead.push(delivery);
+        self.dead.push((delivery, detail));
     }
 }
 
@@ -191,7 +196,14 @@ impl<H: Handler> Processor<H> {
                     );
                     self.stats.invalid(1);
                     let reason = invalid.to_string();
-                    self.give_up(&mut decided, delivery, None, Some(reason.clone()), &reason);
+                    self.give_up(
+                        &mut decided,
+                        delivery,
+                        None,
+                        Some(reason.clone()),
+                        &reason,
+                        None,
+                    );
                 }
             }
         }
@@ -229,12 +241,14 @@ impl<H: Handler> Processor<H> {
             Some(&item.event),
             error,
             &failure.reason,
+            failure.detail.clone(),
         );
     }
 
     /// Dead-letters `delivery` (of `event`, when it is a valid one; `error`
     /// for the index when the failure ledger does not say), with the
-    /// messages the handler sends when it gives up on it, for `why`.
+    /// messages the handler sends when it gives up on it, for `why` (and
+    /// the handler's detail of it).
     fn give_up(
         &self,
         decided: &mut Decided,
@@ -242,6 +256,7 @@ impl<H: Handler> Processor<H> {
         event: Option<&H::Event>,
         error: Option<String>,
         why: &str,
+        detail: Option<String>,
     ) {
         let event_id = event.map(|event| self.handler().event_id(event).to_owned());
         decided.given_up.extend(self.given_up_messages(
@@ -250,7 +265,7 @@ impl<H: Handler> Processor<H> {
             delivery.properties.headers().as_ref(),
             why,
         ));
-        decided.dead_letter(&self.topology, delivery, event_id.as_deref(), error);
+        decided.dead_letter(delivery, event_id.as_deref(), error, detail);
     }
 
     /// What the handler sends when idem gives up on a message (`body`,
@@ -512,7 +527,7 @@ impl<H: Handler> Processor<H> {
                 continue;
             }
             self.stats.dead_lettered(1);
-            self.give_up(decided, item.delivery, Some(&item.event), None, &why);
+            self.give_up(decided, item.delivery, Some(&item.event), None, &why, None);
         }
         rest
     }

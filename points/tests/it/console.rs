@@ -1006,3 +1006,99 @@ async fn an_operator_discards_a_script_body_and_its_file_is_offered_only_once_lo
     console.stop().await?;
     Ok(())
 }
+
+/// The points effect, but an order named `unknown-…` can never apply: the
+/// handler says so with [`HandlerError::permanent_for`], its detail naming
+/// the order.
+struct UnknownOrders;
+
+impl idem::handler::Handler for UnknownOrders {
+    type Event = PaymentSucceeded;
+
+    const NAME: &'static str = "points";
+
+    fn decode(&self, body: &[u8]) -> Result<PaymentSucceeded, idem::handler::Invalid> {
+        Points.decode(body)
+    }
+
+    fn event_id<'e>(&self, event: &'e PaymentSucceeded) -> &'e str {
+        &event.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &idem::handler::Transaction<'_>,
+        events: &[&PaymentSucceeded],
+        outbox: &mut idem::handler::Outbox<'_>,
+    ) -> Result<(), idem::handler::HandlerError> {
+        if let Some(unknown) = events.iter().find(|e| e.order_id.starts_with("unknown-")) {
+            return Err(idem::handler::HandlerError::permanent_for(
+                "no such order",
+                format!("order {} of {}", unknown.order_id, unknown.event_id),
+            ));
+        }
+        Points.apply(tx, events, outbox).await
+    }
+}
+
+/// A letter's page shows the handler's detail of its failure beside the
+/// error that groups it, as the worker wrote it and again once a sync has
+/// rebuilt the index from the queue (the dead-letter copy carries it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_letter_shows_the_handler_s_detail_beside_its_error() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let events: Vec<PaymentSucceeded> = ["unknown-7", "unknown-8"]
+        .iter()
+        .enumerate()
+        .map(|(i, order)| PaymentSucceeded {
+            event_id: format!("{}-unknown-{i}", env.name),
+            order_id: (*order).into(),
+            points: 1,
+        })
+        .collect();
+    let bodies: Vec<Vec<u8>> = events.iter().map(PaymentSucceeded::to_body).collect();
+    env.publish_bodies(&bodies).await?;
+    let worker = RunningWorker::start_with(env.worker_config(Mode::Batch), UnknownOrders);
+    wait_for("the dead letters", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.dead_letter_queue).await? == 2)
+    })
+    .await?;
+    worker.stop().await?;
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let pages = || async {
+        let mut pages = Vec::new();
+        for event in &events {
+            let key = idem::store::dead_letters::event_key(&event.event_id);
+            let path = format!("/letter?key={}", key.replace(' ', "%20"));
+            let (status, page) = http_get(console.addr.port(), &path).await?;
+            ensure!(status == 200, "{status} for {path}: {page}");
+            pages.push(page);
+        }
+        anyhow::Ok(pages)
+    };
+    for (page, event) in pages().await?.iter().zip(&events) {
+        ensure!(page.contains("no such order"), "{page}");
+        ensure!(
+            page.contains(&format!(
+                "the handler's detail: <q>order {} of {}</q>",
+                event.order_id, event.event_id
+            )),
+            "{page}"
+        );
+    }
+
+    env.sql("DELETE FROM mq_dead_letter").await?;
+    let sync = crate::support::run_idem(&env, &["dlq", "sync"]).await?;
+    ensure!(sync.code == Some(0), "dlq sync: {}", sync.stderr);
+    for (page, event) in pages().await?.iter().zip(&events) {
+        ensure!(
+            page.contains(&format!(
+                "<q>order {} of {}</q>",
+                event.order_id, event.event_id
+            )),
+            "after a sync: {page}"
+        );
+    }
+    console.stop().await?;
+    Ok(())
+}
