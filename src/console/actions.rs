@@ -465,12 +465,16 @@ pub(super) async fn file<H: Handler>(
         if !path.starts_with(&dir) {
             return Err(std::io::Error::other("outside the discard directory"));
         }
-        let bytes = std::fs::read(&path)?;
-        Ok((path, bytes))
+        let file = std::fs::File::open(&path)?;
+        Ok((path, file))
     });
-    let Ok(Ok((path, bytes))) = under_discards.await else {
+    let Ok(Ok((path, file))) = under_discards.await else {
         return view::not_found().await;
     };
+    // Streamed: a discard of many large letters is not read into memory.
+    let bytes = axum::body::Body::from_stream(tokio_util::io::ReaderStream::new(
+        tokio::fs::File::from_std(file),
+    ));
     let name = path
         .file_name()
         .and_then(|name| name.to_str())

@@ -909,6 +909,16 @@ async fn the_token_s_holder_downloads_a_discard_file_from_its_action() -> anyhow
         disposition.starts_with("attachment; filename=\"") && disposition.ends_with(".jsonl\""),
         "{disposition}"
     );
+    // Streamed from the file, not read into memory first: chunked, with
+    // no length known in advance.
+    ensure!(
+        file.headers()
+            .get("transfer-encoding")
+            .map(|v| v.as_bytes())
+            == Some(b"chunked"),
+        "the file not streamed: {:?}",
+        file.headers()
+    );
     let body = file.text().await?;
     ensure!(
         body.contains(&event.event_id),
