@@ -116,5 +116,7 @@ pub fn topology(topology: &Topology) -> Vec<(&'static str, String)> {
 pub const CONSOLE_TOKEN: &str = "IDEM_CONSOLE_TOKEN";
 /// `--console-token-file`.
 pub const CONSOLE_TOKEN_FILE: &str = "IDEM_CONSOLE_TOKEN_FILE";
+/// `--allow-edits` of `console` and `worker --console`.
+pub const CONSOLE_ALLOW_EDITS: &str = "IDEM_CONSOLE_ALLOW_EDITS";
 /// `--console-addr` of `console`.
 pub const CONSOLE_ADDR: &str = "IDEM_CONSOLE_ADDR";

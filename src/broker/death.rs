@@ -23,6 +23,11 @@ pub const ROUTING_KEY_HEADER: &str = "x-idem-routing-key";
 /// the work queue, in milliseconds since the Unix epoch.
 pub const DUE_HEADER: &str = "x-idem-due";
 
+/// On a message the console replayed with a body an operator edited: the
+/// key in the dead-letter index of the letter it replaces (`event <id>`,
+/// or `body <digest>` for a body that was invalid).
+pub const REPLACES_HEADER: &str = "x-idem-replaces";
+
 /// Headers idem sets on a message it dead-letters itself (a copy published
 /// to the dead-letter exchange, then the delivery acked): what the broker's
 /// `x-death` entry would say. The queue the message died in.

@@ -725,7 +725,9 @@ async fn dead_letters<H: Handler>(
     let progress = match action {
         dlq::Action::List => Progress::hidden(),
         dlq::Action::Sync => Progress::new("syncing", 0),
-        dlq::Action::Replay { .. } => Progress::new("replaying", 0),
+        dlq::Action::Replay { .. } | dlq::Action::ReplayEdited { .. } => {
+            Progress::new("replaying", 0)
+        }
         dlq::Action::Discard { .. } => Progress::new("discarding", 0),
     };
     let report = dlq::run_showing(config, action, handler, &progress, shutdown).await;

@@ -517,6 +517,7 @@ async fn audit_refusal<H: Handler>(console: &Console<H>, address: &str, wrong: u
         letters: None,
         outcome: None,
         file: None,
+        edit: None,
     };
     let recorded = async {
         let client = console.inner.store.pool().get().await?;

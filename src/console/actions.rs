@@ -287,6 +287,7 @@ pub(super) async fn start<H: Handler>(
         letters: None,
         outcome: None,
         file: file.as_ref().map(|f| f.display().to_string()),
+        edit: None,
     };
     let id = match console.inner.store.pool().get().await {
         Ok(client) => read::audit_start(&client, &audited).await,
@@ -319,7 +320,7 @@ pub(super) async fn start<H: Handler>(
 
 /// Runs the action audited as `id` in the console's process, showing its
 /// `progress`, and records in the audit how it ended.
-async fn run<H: Handler>(
+pub(super) async fn run<H: Handler>(
     console: Console<H>,
     id: i64,
     dlq: DlqConfig,
@@ -422,6 +423,13 @@ pub(super) async fn progress<H: Handler>(
                         (None, None) => { "not finished, and not running in this console: it ran in another process, which stopped before it ended (what it confirmed was acked; the rest is still dead-lettered)" }
                     }
                 } }
+            }
+        }
+        @if let Some((before, after)) = &action.edit {
+            @if console.inner.config.hide_bodies {
+                p.muted { "An edit: its bodies are hidden on this console." }
+            } @else {
+                (super::edits::bodies(before, after))
             }
         }
         p { a href="/audit" { "Audit" } " · " a href="/groups" { "Failure groups" } }

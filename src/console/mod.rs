@@ -9,7 +9,8 @@
 //! `dlq replay` and `dlq discard` run (a copy is acked only once its replay
 //! is confirmed or its line synced to the discard file), in the console's
 //! process, whatever becomes of the page that started them; each is
-//! recorded in `idem_console_audit`.
+//! recorded in `idem_console_audit`. Where the service allows it, a letter
+//! can be replayed with an edited body that the handler decodes.
 //!
 //! Reading needs no token where the console listens on a loopback address;
 //! acting always does: the token of `IDEM_CONSOLE_TOKEN` (as `Authorization:
@@ -36,6 +37,7 @@ use crate::target::{OpenError, Target};
 
 mod access;
 mod actions;
+mod edits;
 mod pages;
 mod parked;
 mod view;
@@ -67,6 +69,10 @@ pub struct ConsoleConfig {
     pub discard_dir: PathBuf,
     /// Reading needs a token too: the console listens beyond loopback.
     pub reading_needs_token: bool,
+    /// Whoever may act may replay a letter with a body they edited (once
+    /// the handler decodes it; both bodies in the audit). Off unless the
+    /// service turns it on; never with [`hide_bodies`](Self::hide_bodies).
+    pub allow_edits: bool,
 }
 
 impl ConsoleConfig {
@@ -80,6 +86,7 @@ impl ConsoleConfig {
             hide_bodies: false,
             discard_dir: PathBuf::from("discarded"),
             reading_needs_token: false,
+            allow_edits: false,
         }
     }
 }
@@ -191,6 +198,8 @@ impl<H: Handler> Console<H> {
             .route("/actions/{id}/file", get(actions::file::<H>))
             .route("/actions/preview", post(actions::preview::<H>))
             .route("/actions", post(actions::start::<H>))
+            .route("/edits/preview", post(edits::preview::<H>))
+            .route("/edits", post(edits::start::<H>))
             .route(
                 "/login",
                 get(access::login_page::<H>).post(access::login::<H>),

@@ -547,6 +547,9 @@ pub(super) async fn letter<H: Handler>(
         (failures(&letter))
         (letter_contents(&letter, hide))
         @if who.may_act() {
+            (super::edits::offered(&console, &letter))
+        }
+        @if who.may_act() {
             form method="post" action="/actions/preview" {
                 input type="hidden" name="form_token" value=(console.form_token());
                 input type="hidden" name="group" value=(letter.group);
@@ -622,7 +625,7 @@ fn death_detail(letter: &read::Letter) -> Option<&str> {
 /// A body as text: pretty-printed JSON where it is JSON, its keys in the
 /// order they were sent, the text (bytes that are not UTF-8 replaced)
 /// otherwise. Escaped by the template.
-fn shown_body(body: &[u8]) -> String {
+pub(super) fn shown_body(body: &[u8]) -> String {
     let mut pretty = Vec::with_capacity(body.len() * 2);
     let mut from = serde_json::Deserializer::from_slice(body);
     let mut to = serde_json::Serializer::pretty(&mut pretty);

@@ -231,6 +231,7 @@ pub(super) async fn act<H: Handler>(
         letters: None,
         outcome: None,
         file,
+        edit: None,
     };
     let store = &console.inner.store;
     let started = async {

@@ -72,6 +72,18 @@ pub enum Action {
         /// once); by default they stay where they are.
         include_invalid: bool,
     },
+    /// Replay as [`Action::Replay`] does, every letter that matches (the
+    /// filter names one), with its body replaced by `body`: an operator's
+    /// edit, which the handler decodes as the event `event_id`. The copy
+    /// carries [`REPLACES_HEADER`](crate::broker::death::REPLACES_HEADER),
+    /// naming the letter it replaces; the letter is acked once the broker
+    /// confirmed the copy.
+    ReplayEdited {
+        /// The edited body.
+        body: Vec<u8>,
+        /// Its event id, whose budget of attempts starts afresh.
+        event_id: String,
+    },
     /// Remove, each written first to this JSON-lines file (appended,
     /// synced before the message is acked).
     Discard {

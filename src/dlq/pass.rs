@@ -12,7 +12,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions};
-use lapin::types::DeliveryTag;
+use lapin::types::{AMQPValue, DeliveryTag};
 use lapin::{BasicProperties, Channel};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -21,7 +21,7 @@ use tracing::warn;
 use super::{
     Action, DlqConfig, Entry, Pacer, Report, Synced, Taking, await_released, discarded, send_all,
 };
-use crate::broker::death::{Death, replay_headers, replays};
+use crate::broker::death::{Death, REPLACES_HEADER, replay_headers, replays};
 use crate::broker::{
     ConfirmChannel, Nacks, Outgoing, Refusal, close_channel, ready_messages, settle,
 };
@@ -151,7 +151,10 @@ impl Action {
     /// Whether the action acks the letters it acts on (the queue must have
     /// applied every ack before the channel closes).
     fn acks(&self) -> bool {
-        matches!(self, Action::Replay { .. } | Action::Discard { .. })
+        matches!(
+            self,
+            Action::Replay { .. } | Action::ReplayEdited { .. } | Action::Discard { .. }
+        )
     }
 }
 
@@ -187,7 +190,9 @@ impl<H: Handler> Pass<'_, H> {
             *self.consuming = None;
         }
         let publisher = match self.action {
-            Action::Replay { .. } => Some(ConfirmChannel::open(connection).await?),
+            Action::Replay { .. } | Action::ReplayEdited { .. } => {
+                Some(ConfirmChannel::open(connection).await?)
+            }
             _ => None,
         };
         // Each pass looks again: what an earlier one held, or acted on
@@ -306,6 +311,21 @@ impl<H: Handler> Pass<'_, H> {
                         connection,
                         publisher,
                         replay,
+                        &mut open.pacer,
+                        shutdown,
+                    )
+                    .await?;
+                }
+            }
+            Action::ReplayEdited { .. } => {
+                // An invalid body is what an edit mends, as well as a
+                // valid one.
+                if let Some(publisher) = &mut open.publisher {
+                    self.replay(
+                        &open.getter,
+                        connection,
+                        publisher,
+                        matched,
                         &mut open.pacer,
                         shutdown,
                     )
@@ -561,9 +581,14 @@ impl<H: Handler> Pass<'_, H> {
         shutdown: &CancellationToken,
     ) -> Result<(), PassError> {
         // A replay starts a fresh budget of attempts: the reset goes first.
+        let edited = match self.action {
+            Action::ReplayEdited { body, event_id } => Some((body, event_id.as_str())),
+            _ => None,
+        };
         let ids: Vec<&str> = letters
             .iter()
             .filter_map(|letter| letter.entry.event_id.as_deref())
+            .chain(edited.map(|(_, event_id)| event_id))
             .collect();
         self.store.reset_ledger(&ids).await?;
         let mut replays = Vec::with_capacity(letters.len());
@@ -579,15 +604,24 @@ impl<H: Handler> Pass<'_, H> {
                 continue;
             };
             let original = letter.delivery.properties;
-            let properties = original
-                .clone()
-                .with_headers(replay_headers(original.headers().as_ref()));
+            let mut headers = replay_headers(original.headers().as_ref());
+            let body = match edited {
+                Some((body, _)) => {
+                    headers.insert(
+                        REPLACES_HEADER.into(),
+                        AMQPValue::LongString(letter.entry.key.as_str().into()),
+                    );
+                    body.clone()
+                }
+                None => letter.delivery.data,
+            };
+            let properties = original.clone().with_headers(headers);
             let message = Outgoing {
                 // The default exchange routes by queue name: the replay goes
                 // to the queue it died in, not to every queue bound for it.
                 exchange: String::new(),
                 routing_key: queue,
-                body: letter.delivery.data,
+                body,
                 properties,
             };
             replays.push(((letter.tag, letter.entry, original), message));

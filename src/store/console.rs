@@ -99,7 +99,7 @@ pub struct Audited {
     pub id: i64,
     /// The consumer group.
     pub consumer_group: String,
-    /// `replay` or `discard`.
+    /// `replay`, `discard`, `edit`, `release`, `login`.
     pub action: String,
     /// Who.
     pub who: String,
@@ -117,6 +117,9 @@ pub struct Audited {
     pub outcome: Option<String>,
     /// Where a discard wrote the letters first.
     pub file: Option<String>,
+    /// An edit's bodies: the letter's as it died, and the one replayed in
+    /// its place.
+    pub edit: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 /// The groups of a consumer group, most letters first, `limit` from
@@ -433,8 +436,8 @@ pub async fn audit_start(
     let row = client
         .query_one(
             "INSERT INTO idem_console_audit \
-                 (consumer_group, action, who, filter, expected, file) \
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+                 (consumer_group, action, who, filter, expected, file, body_before, body_after) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
             &[
                 &started.consumer_group,
                 &started.action,
@@ -442,6 +445,8 @@ pub async fn audit_start(
                 &started.filter,
                 &started.expected,
                 &started.file,
+                &started.edit.as_ref().map(|(before, _)| before),
+                &started.edit.as_ref().map(|(_, after)| after),
             ],
         )
         .await?;
@@ -474,7 +479,7 @@ pub async fn audit(
     let rows = client
         .query(
             "SELECT id, consumer_group, action, who, filter, expected, started_at, \
-                    finished_at, letters, outcome, file \
+                    finished_at, letters, outcome, file, body_before, body_after \
              FROM idem_console_audit WHERE ($1::bigint IS NULL OR id < $1) \
              ORDER BY id DESC LIMIT $2",
             &[&before, &limit],
@@ -491,7 +496,7 @@ pub async fn audited_by_id(
     let row = client
         .query_opt(
             "SELECT id, consumer_group, action, who, filter, expected, started_at, \
-                    finished_at, letters, outcome, file \
+                    finished_at, letters, outcome, file, body_before, body_after \
              FROM idem_console_audit WHERE id = $1",
             &[&id],
         )
@@ -512,5 +517,9 @@ fn audited(row: &Row) -> Result<Audited, tokio_postgres::Error> {
         letters: row.try_get(8)?,
         outcome: row.try_get(9)?,
         file: row.try_get(10)?,
+        edit: match (row.try_get(11)?, row.try_get(12)?) {
+            (Some(before), Some(after)) => Some((before, after)),
+            _ => None,
+        },
     })
 }

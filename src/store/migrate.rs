@@ -48,6 +48,7 @@ pub const MIGRATIONS: &[Migration] = &[
     migration!(18, "0018_points_table_leaves_the_baseline.sql"),
     migration!(19, "0019_parked_keys.sql"),
     migration!(20, "0020_outbox_order_per_key.sql"),
+    migration!(21, "0021_console_edits.sql"),
 ];
 
 /// One of idem's functions: its current definition, a file of
@@ -452,6 +453,6 @@ mod tests {
         let gap = [MIGRATIONS[0], MIGRATIONS[2]];
         assert!(numbered(&gap).is_err_and(|problem| problem.contains("expected 2")));
         assert_eq!(latest(&[]), 0);
-        assert_eq!(latest(MIGRATIONS), 20);
+        assert_eq!(latest(MIGRATIONS), 21);
     }
 }

@@ -1112,3 +1112,251 @@ async fn a_letter_shows_the_handler_s_detail_beside_its_error() -> anyhow::Resul
     console.stop().await?;
     Ok(())
 }
+
+/// `event`'s body with its order `order` and its points `points`, as a
+/// producer's JSON.
+fn body_of(event: &PaymentSucceeded, order: &str, points: &str) -> String {
+    format!(
+        r#"{{"eventId": "{}", "orderId": "{order}", "points": {points}}}"#,
+        event.event_id
+    )
+}
+
+/// In Chromium, edit and retry end to end: a letter whose order is wrong
+/// is edited by the token's holder (an edit the handler cannot decode is
+/// refused first, the form given back), sent in place of the letter with
+/// a header naming it, applied once; the letter is gone from the dead
+/// letters and the audit shows both bodies. A reader is offered no edit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_operator_edits_a_letter_s_body_and_its_event_applies_once() -> anyhow::Result<()> {
+    let Some(browser) = Browser::start().await? else {
+        return Ok(());
+    };
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let event = PaymentSucceeded {
+        points: 3,
+        ..poisoned(&env, 0)
+    };
+    let worker = dead_lettered(&env, &[event.to_body()], 1).await?;
+    worker.stop().await?;
+    let console = RunningConsole::start(&env, |config| config.allow_edits = true).await?;
+    let page = &browser.client;
+    let key = format!("event {}", event.event_id);
+    let letter_url = console.url(&format!("/letter?key={}", key.replace(' ', "+")));
+
+    page.goto(&letter_url).await?;
+    ensure!(
+        page.find_all(Locator::Css("form.edit")).await?.is_empty(),
+        "an edit offered to a reader"
+    );
+    browser.log_in(&console).await?;
+    page.goto(&letter_url).await?;
+    page.find(Locator::Css("details.edit summary"))
+        .await?
+        .click()
+        .await?;
+    let edit = |body: String| async move {
+        let area = page.find(Locator::Css("form.edit textarea")).await?;
+        area.clear().await?;
+        area.send_keys(&body).await?;
+        page.find(Locator::Css("form.edit button[type=submit]"))
+            .await?
+            .click()
+            .await?;
+        anyhow::Ok(())
+    };
+    // Without its points, the handler cannot decode it: refused, the form
+    // given back with the edit in it.
+    let undecodable = format!(
+        r#"{{"eventId": "{}", "orderId": "mended-order"}}"#,
+        event.event_id
+    );
+    edit(undecodable).await?;
+    browser
+        .text_holding("main", "the handler cannot decode the edited body")
+        .await?;
+    let kept = page
+        .find(Locator::Css("form.edit textarea"))
+        .await?
+        .prop("value")
+        .await?
+        .unwrap_or_default();
+    ensure!(kept.contains("mended-order"), "the edit given back: {kept}");
+    edit(body_of(&event, "mended-order", "3")).await?;
+    browser.text_holding("main", "Sent in its place").await?;
+    browser.keep("console-edit").await?;
+    page.find(Locator::XPath(
+        "//button[contains(., 'Send the edited letter')]",
+    ))
+    .await?
+    .click()
+    .await?;
+    browser.text_holding("main", "replayed 1").await?;
+    let action = browser.text("main").await?;
+    ensure!(
+        action.contains("\"orderId\": \"poison-order\"")
+            && action.contains("\"orderId\": \"mended-order\""),
+        "the action shows both bodies: {action}"
+    );
+
+    // In the work queue: the edit, naming the letter it replaces.
+    let sent = env.peek(&env.topology.queue).await?;
+    ensure!(sent.len() == 1, "{} messages sent", sent.len());
+    let sent_body: serde_json::Value = serde_json::from_slice(&sent[0].body)?;
+    ensure!(sent_body["orderId"] == "mended-order", "{sent_body}");
+    let replaces = sent[0]
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get(idem::broker::death::REPLACES_HEADER).cloned());
+    ensure!(
+        replaces == Some(lapin::types::AMQPValue::LongString(key.as_str().into())),
+        "{replaces:?}"
+    );
+    ensure!(env.ready(&env.topology.dead_letter_queue).await? == 0);
+    ensure!(env.count_rows("mq_dead_letter").await? == 0);
+
+    // Applied once; the original, published again, is a duplicate.
+    let worker = RunningWorker::start(env.worker_config(Mode::Batch));
+    wait_for(
+        "the edited event applied",
+        Duration::from_secs(30),
+        || async { Ok(env.points("mended-order").await? == 3) },
+    )
+    .await?;
+    env.publish_bodies(&[event.to_body()]).await?;
+    wait_for("the original taken", Duration::from_secs(30), || async {
+        Ok(env.ready(&env.topology.queue).await? == 0 && env.messages(&env.topology.queue)? == 0)
+    })
+    .await?;
+    worker.stop().await?;
+    ensure!(env.points("mended-order").await? == 3);
+    ensure!(env.points("poison-order").await? == 0);
+    ensure!(env.records_of(&event.event_id, GROUP).await? == 1);
+    ensure!(env.ready(&env.topology.dead_letter_queue).await? == 0);
+
+    // The audit keeps both bodies.
+    let audit = env
+        .pool
+        .get()
+        .await?
+        .query_one(
+            "SELECT action, body_before, body_after, letters FROM idem_console_audit \
+             WHERE action = 'edit'",
+            &[],
+        )
+        .await?;
+    let before: Vec<u8> = audit.get(1);
+    let after: Vec<u8> = audit.get(2);
+    ensure!(
+        before == event.to_body(),
+        "{}",
+        String::from_utf8_lossy(&before)
+    );
+    ensure!(
+        String::from_utf8_lossy(&after).contains("mended-order"),
+        "{}",
+        String::from_utf8_lossy(&after)
+    );
+    ensure!(audit.get::<_, Option<i64>>(3) == Some(1));
+    browser.close().await?;
+    console.stop().await?;
+    Ok(())
+}
+
+/// What a stranger would try against edit and retry: without the token,
+/// with a wrong one, from another origin, a body the handler cannot
+/// decode, an edit that changes the event id, and any edit on a console
+/// that does not allow them. Each is refused, the letter stays, and the
+/// audit records nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_edit_is_refused_to_strangers_and_for_bodies_the_handler_refuses() -> anyhow::Result<()>
+{
+    let env = TestEnv::new().await?;
+    env.poison_order("poison-order").await?;
+    let event = poisoned(&env, 0);
+    let worker = dead_lettered(&env, &[event.to_body()], 1).await?;
+    worker.stop().await?;
+    let _ = idem::tls::provider().install_default();
+    let http = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()?;
+    let key = format!("event {}", event.event_id);
+    let mended = body_of(&event, "mended-order", "1");
+    let other_id = r#"{"eventId": "another-event", "orderId": "mended-order", "points": 1}"#;
+    let post = |console: &RunningConsole,
+                path: &str,
+                origin: Option<&str>,
+                bearer: Option<&str>,
+                body: &str| {
+        let form = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("key", &key)
+            .append_pair("body", body)
+            .append_pair("form_token", "forged")
+            .finish();
+        let mut request = http
+            .post(console.url(path))
+            .header("content-type", "application/x-www-form-urlencoded")
+            .body(form);
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        if let Some(bearer) = bearer {
+            request = request.bearer_auth(bearer);
+        }
+        request.send()
+    };
+
+    let console = RunningConsole::start(&env, |config| config.allow_edits = true).await?;
+    let own = format!("http://{}", console.addr);
+    for path in ["/edits/preview", "/edits"] {
+        for (origin, bearer, body, status, says) in [
+            (Some(own.as_str()), None, mended.as_str(), 403, ""),
+            (None, Some("not-the-token"), mended.as_str(), 403, ""),
+            (
+                Some("http://evil.example"),
+                Some(TOKEN),
+                mended.as_str(),
+                403,
+                "",
+            ),
+            (None, Some(TOKEN), "{\"eventId\": 1", 422, "cannot decode"),
+            (None, Some(TOKEN), other_id, 422, "changes the event id"),
+        ] {
+            let response = post(&console, path, origin, bearer, body).await?;
+            let got = response.status();
+            let text = response.text().await?;
+            ensure!(
+                got == status && text.contains(says),
+                "{path} from {origin:?} with {bearer:?}, {body}: {got} {text}"
+            );
+        }
+    }
+    // The token's holder gets the check, which sends nothing.
+    let checked = post(&console, "/edits/preview", None, Some(TOKEN), &mended).await?;
+    ensure!(checked.status() == 200);
+    ensure!(checked.text().await?.contains("Sent in its place"));
+    console.stop().await?;
+
+    // A console that does not allow edits offers none and takes none.
+    let console = RunningConsole::start(&env, |_| {}).await?;
+    let letter = http
+        .get(console.url(&format!("/letter?key={}", key.replace(' ', "+"))))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?
+        .text()
+        .await?;
+    ensure!(letter.contains("Replay this letter"), "{letter}");
+    ensure!(!letter.contains("Edit and retry"), "{letter}");
+    let refused = post(&console, "/edits", None, Some(TOKEN), &mended).await?;
+    ensure!(refused.status() == 403, "{}", refused.status());
+    console.stop().await?;
+
+    ensure!(env.ready(&env.topology.dead_letter_queue).await? == 1);
+    ensure!(env.count_rows("mq_dead_letter").await? == 1);
+    ensure!(env.count_rows("idem_console_audit").await? == 0);
+    ensure!(env.ready(&env.topology.queue).await? == 0);
+    Ok(())
+}

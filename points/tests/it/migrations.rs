@@ -177,6 +177,7 @@ async fn a_database_migrated_before_handlers_had_migrations_moves_forward_keepin
             "0018_points_table_leaves_the_baseline.sql",
             "0019_parked_keys.sql",
             "0020_outbox_order_per_key.sql",
+            "0021_console_edits.sql",
             "points/0001_user_points.sql"
         ]
     );
@@ -632,7 +633,7 @@ async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migrat
 
     let applied = migrate::run::<Points>(&old.pool, Some(&old.name)).await?;
     assert_eq!(
-        applied[..8],
+        applied[..9],
         [
             "0014_migration_checksums.sql",
             "0015_console.sql",
@@ -641,10 +642,11 @@ async fn a_schema_from_before_checksums_keeps_its_functions_and_an_edited_migrat
             "0018_points_table_leaves_the_baseline.sql",
             "0019_parked_keys.sql",
             "0020_outbox_order_per_key.sql",
+            "0021_console_edits.sql",
             "points/0001_user_points.sql"
         ]
     );
-    let functions: Vec<&str> = applied[8..].iter().map(String::as_str).collect();
+    let functions: Vec<&str> = applied[9..].iter().map(String::as_str).collect();
     assert!(
         functions.len() == 12
             && functions.contains(&"functions/mq_claim.sql")

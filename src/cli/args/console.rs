@@ -30,6 +30,10 @@ pub(crate) struct ConsoleAccessArgs {
     /// Where discards write their letters before removing them.
     #[arg(long, value_name = "DIR", default_value = "discarded")]
     pub(crate) discard_dir: PathBuf,
+    /// Let whoever may act replay a letter with a body they edited, once the
+    /// handler decodes it (both bodies are kept in the audit).
+    #[arg(long, env = vars::CONSOLE_ALLOW_EDITS, conflicts_with = "hide_bodies")]
+    pub(crate) allow_edits: bool,
 }
 
 impl ConsoleAccessArgs {
@@ -65,6 +69,7 @@ impl ConsoleAccessArgs {
         config.token = self.token()?;
         config.trusted_user_header = self.trust_user_header.clone();
         config.hide_bodies = self.hide_bodies;
+        config.allow_edits = self.allow_edits;
         config.discard_dir.clone_from(&self.discard_dir);
         config.reading_needs_token = !addr.ip().is_loopback();
         if config.reading_needs_token
