@@ -118,5 +118,9 @@ pub const CONSOLE_TOKEN: &str = "IDEM_CONSOLE_TOKEN";
 pub const CONSOLE_TOKEN_FILE: &str = "IDEM_CONSOLE_TOKEN_FILE";
 /// `--allow-edits` of `console` and `worker --console`.
 pub const CONSOLE_ALLOW_EDITS: &str = "IDEM_CONSOLE_ALLOW_EDITS";
+/// `--tls-cert` of `console`.
+pub const CONSOLE_TLS_CERT: &str = "IDEM_CONSOLE_TLS_CERT";
+/// `--tls-key` of `console`.
+pub const CONSOLE_TLS_KEY: &str = "IDEM_CONSOLE_TLS_KEY";
 /// `--console-addr` of `console`.
 pub const CONSOLE_ADDR: &str = "IDEM_CONSOLE_ADDR";

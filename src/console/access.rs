@@ -450,11 +450,13 @@ impl<S: Send + Sync> FromRequestParts<S> for ClientAddr {
     type Rejection = std::convert::Infallible;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        let extensions = &parts.extensions;
+        let plain = extensions.get::<axum::extract::ConnectInfo<SocketAddr>>();
+        let tls = extensions.get::<axum::extract::ConnectInfo<super::tls::TlsPeer>>();
         Ok(Self(
-            parts
-                .extensions
-                .get::<axum::extract::ConnectInfo<SocketAddr>>()
-                .map(|info| info.0.ip()),
+            plain
+                .map(|info| info.0.ip())
+                .or_else(|| tls.map(|info| info.0.0.ip())),
         ))
     }
 }
@@ -490,8 +492,14 @@ pub(super) async fn login<H: Handler>(
         return refused(StatusCode::FORBIDDEN, "that is not the token");
     }
     tries.right(from);
+    // Over TLS, the browser never sends it in plain text.
+    let secure = if console.inner.config.tls.is_some() {
+        "; Secure"
+    } else {
+        ""
+    };
     let cookie = format!(
-        "{SESSION_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict",
+        "{SESSION_COOKIE}={}; Path=/; HttpOnly; SameSite=Strict{secure}",
         token.session()
     );
     ([(header::SET_COOKIE, cookie)], Redirect::to("/")).into_response()

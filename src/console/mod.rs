@@ -40,9 +40,11 @@ mod actions;
 mod edits;
 mod pages;
 mod parked;
+mod tls;
 mod view;
 
 pub use access::Token;
+pub use tls::{ConsoleTls, ConsoleTlsError};
 
 /// The address the console listens on unless told otherwise.
 pub const DEFAULT_ADDR: &str = "127.0.0.1:9480";
@@ -73,6 +75,9 @@ pub struct ConsoleConfig {
     /// the handler decodes it; both bodies in the audit). Off unless the
     /// service turns it on; never with [`hide_bodies`](Self::hide_bodies).
     pub allow_edits: bool,
+    /// Serves HTTPS with this certificate and key instead of plain HTTP
+    /// (for a console with no TLS-terminating proxy in front).
+    pub tls: Option<ConsoleTls>,
 }
 
 impl ConsoleConfig {
@@ -87,6 +92,7 @@ impl ConsoleConfig {
             discard_dir: PathBuf::from("discarded"),
             reading_needs_token: false,
             allow_edits: false,
+            tls: None,
         }
     }
 }
@@ -220,20 +226,36 @@ impl<H: Handler> Console<H> {
         Ok(())
     }
 
-    /// Serves the console on `listener` until `shutdown`; then waits for
-    /// the actions under way to end.
+    /// Serves the console on `listener` (over TLS when the config has a
+    /// certificate) until `shutdown`; then waits for the actions under way
+    /// to end.
     pub async fn serve_on(self, listener: tokio::net::TcpListener) {
-        if let Ok(bound) = listener.local_addr() {
-            info!(addr = %bound, "the console is at http://{bound}/");
-        }
-        let shutdown = self.inner.shutdown.clone();
-        let served = axum::serve(
-            listener,
-            self.router()
-                .into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .with_graceful_shutdown(shutdown.cancelled_owned())
-        .await;
+        let Ok(bound) = listener.local_addr() else {
+            warn!("the console's listener has no address: it serves nothing");
+            return;
+        };
+        let stopping = self.inner.shutdown.clone().cancelled_owned();
+        let served = match self.inner.config.tls.clone() {
+            Some(tls) => {
+                let listener = tls::TlsListener::new(listener, bound, &tls);
+                info!(addr = %bound, "the console is at https://{bound}/");
+                let routes = self
+                    .router()
+                    .into_make_service_with_connect_info::<tls::TlsPeer>();
+                axum::serve(listener, routes)
+                    .with_graceful_shutdown(stopping)
+                    .await
+            }
+            None => {
+                info!(addr = %bound, "the console is at http://{bound}/");
+                let routes = self
+                    .router()
+                    .into_make_service_with_connect_info::<SocketAddr>();
+                axum::serve(listener, routes)
+                    .with_graceful_shutdown(stopping)
+                    .await
+            }
+        };
         if let Err(error) = served {
             warn!(%error, "the console stopped");
         }

@@ -1360,3 +1360,79 @@ async fn an_edit_is_refused_to_strangers_and_for_bodies_the_handler_refuses() ->
     ensure!(env.ready(&env.topology.queue).await? == 0);
     Ok(())
 }
+
+/// Given a certificate and its key, the console serves HTTPS and nothing in
+/// plain text: a client that trusts the certificate reads the pages and
+/// logs in, getting a `Secure` session cookie; a plain HTTP request to the
+/// same port gets no page. A key that is not one is refused at start,
+/// naming the file and nothing of what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_a_certificate_the_console_serves_https_only() -> anyhow::Result<()> {
+    let env = TestEnv::new().await?;
+    let dir = std::env::temp_dir().join(format!("{}-console-tls", env.name));
+    std::fs::create_dir_all(&dir)?;
+    let _dir = crate::support::Removed(dir.clone());
+    let issued = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()])?;
+    let (certificate, key) = (dir.join("console.pem"), dir.join("console-key.pem"));
+    std::fs::write(&certificate, issued.cert.pem())?;
+    std::fs::write(&key, issued.signing_key.serialize_pem())?;
+    let tls = idem::console::ConsoleTls::from_pem_files(&certificate, &key)?;
+    let console = RunningConsole::start(&env, |config| config.tls = Some(tls)).await?;
+    let origin = format!("https://{}", console.addr);
+
+    let _ = idem::tls::provider().install_default();
+    let https = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .tls_certs_only([reqwest::Certificate::from_pem(
+            issued.cert.pem().as_bytes(),
+        )?])
+        .build()?;
+    let overview = https.get(format!("{origin}/")).send().await?;
+    ensure!(overview.status() == 200, "{}", overview.status());
+    ensure!(overview.text().await?.contains("dead letters"));
+    let login_page = https
+        .get(format!("{origin}/login"))
+        .send()
+        .await?
+        .text()
+        .await?;
+    let form_token = login_page
+        .split("name=\"form_token\" value=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .context("the login page's form token")?
+        .to_owned();
+    let logged_in = https
+        .post(format!("{origin}/login"))
+        .header("origin", &origin)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!("token={TOKEN}&form_token={form_token}"))
+        .send()
+        .await?;
+    ensure!(logged_in.status() == 303, "{}", logged_in.status());
+    let cookie = logged_in.headers()["set-cookie"].to_str()?.to_owned();
+    ensure!(
+        cookie.contains("HttpOnly") && cookie.ends_with("; Secure"),
+        "{cookie}"
+    );
+
+    // Plain HTTP on the same port: no page.
+    let plain = reqwest::Client::new()
+        .get(console.url("/"))
+        .timeout(patient(Duration::from_secs(10)))
+        .send()
+        .await;
+    ensure!(plain.is_err(), "a page over plain HTTP: {plain:?}");
+    console.stop().await?;
+
+    // A file that holds no key is named; what it holds is not shown.
+    std::fs::write(&key, "not a key, but a secret")?;
+    let refused = idem::console::ConsoleTls::from_pem_files(&certificate, &key)
+        .expect_err("a key file without a key");
+    let said = refused.to_string();
+    ensure!(
+        said.contains(&key.display().to_string()) && !said.contains("secret"),
+        "{said}"
+    );
+    Ok(())
+}

@@ -7,7 +7,7 @@ use clap::Args;
 
 use super::{SettingError, StatusArgs, socket_addr};
 
-use crate::console::{ConsoleConfig, DEFAULT_ADDR, Token};
+use crate::console::{ConsoleConfig, ConsoleTls, DEFAULT_ADDR, Token};
 use crate::vars;
 
 /// What the console lets be seen and done, and by whom.
@@ -95,6 +95,13 @@ pub(crate) struct ConsoleArgs {
     /// too.
     #[arg(long, env = vars::CONSOLE_ADDR, default_value = DEFAULT_ADDR, value_parser = socket_addr)]
     pub(crate) http_addr: SocketAddr,
+    /// Serve HTTPS with the certificate chain in this PEM file (the
+    /// console's certificate first), and --tls-key.
+    #[arg(long, env = vars::CONSOLE_TLS_CERT, value_name = "FILE", requires = "tls_key")]
+    pub(crate) tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert, in a PEM file.
+    #[arg(long, env = vars::CONSOLE_TLS_KEY, value_name = "FILE", requires = "tls_cert")]
+    pub(crate) tls_key: Option<PathBuf>,
     #[command(flatten)]
     pub(crate) access: ConsoleAccessArgs,
     /// The group, its queues and its servers, as `status` takes them.
@@ -108,7 +115,13 @@ impl ConsoleArgs {
         let mut target = self.target.config()?;
         // Its pages, and an action's pass beside them.
         target.database.pool_size = 4;
-        let config = ConsoleConfig::new(target);
+        let mut config = ConsoleConfig::new(target);
+        if let (Some(certificate), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            config.tls = Some(
+                ConsoleTls::from_pem_files(certificate, key)
+                    .map_err(|error| SettingError::new(error.to_string()))?,
+            );
+        }
         self.access.applied(config, self.http_addr)
     }
 }
