@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::broker::AmqpConfig;
+use crate::broker::{AmqpConfig, Exchange};
 use crate::handler::BoxError;
 use crate::store::DatabaseConfig;
 use crate::worker::WorkerConfig;
@@ -46,6 +46,11 @@ pub struct CheckConfig {
     pub patience: Duration,
     /// How long to wait for PostgreSQL and RabbitMQ to answer at the start.
     pub startup_timeout: Duration,
+    /// The service's outgoing exchanges (its topology's, as the worker
+    /// declares them): what reaches them while the check runs is watched,
+    /// since a check relays nothing, whatever arrives was sent outside
+    /// idem's outbox.
+    pub outgoing: Vec<Exchange>,
 }
 
 impl CheckConfig {
@@ -85,6 +90,7 @@ impl CheckConfig {
             seed: 1,
             patience: Self::DEFAULT_PATIENCE,
             startup_timeout: WorkerConfig::DEFAULT_STARTUP_TIMEOUT,
+            outgoing: Vec::new(),
         }
     }
 
@@ -109,6 +115,13 @@ impl CheckConfig {
             witness: Some(sql.into()),
             ..self
         }
+    }
+
+    /// The same check, watching the outgoing exchange `exchange` for
+    /// messages the handler sends outside idem's outbox.
+    pub fn outgoing(mut self, exchange: Exchange) -> Self {
+        self.outgoing.push(exchange);
+        self
     }
 
     /// The same check, leaving `table.column` out of the comparisons.

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::{
     Check, CheckError, Decoded, Equivalence, Event, Fates, Lookup, OUTGOING_LOOKED_AT, Observed,
-    Plan, Rig, RunReport, SHOWN, Scratch, Tables, fates_of, reference, runs, state,
+    Plan, Rig, RunReport, SHOWN, Scratch, Tables, capture, fates_of, reference, runs, state,
 };
 use crate::CheckReport;
 use crate::handler::{Handler, message_id};
@@ -45,20 +45,27 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             })
             .collect();
 
+        let capture = self.capture(&events).await?;
+        let from = report.runs.len();
         let (tables, expected) = self.references(&events, &lookup, &mut report).await?;
+        attribute(capture.as_ref(), &mut report, from).await?;
         let reference = (!report.order_matters).then_some(&expected);
         if report.order_matters && !keyed.is_empty() {
+            let from = report.runs.len();
             self.keys_backwards(&events, keys, &tables, &expected, &lookup, &mut report)
                 .await?;
+            attribute(capture.as_ref(), &mut report, from).await?;
         }
         let ordered_reference =
             (!report.order_matters || report.order_within_keys_only).then_some(&expected);
 
         // Batch equivalence, on two cuts of the events.
+        let at = report.runs.len();
         report.runs.push(
             self.equivalence(&events, &tables, reference, &lookup)
                 .await?,
         );
+        attribute(capture.as_ref(), &mut report, at).await?;
 
         // The real worker, under every fault.
         let bodies: Vec<(String, Vec<u8>)> = events
@@ -90,9 +97,38 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             let row = self
                 .worker_run(&rig, &plan, &events, &tables, reference, &lookup)
                 .await;
+            let at = report.runs.len();
             report.runs.push(row?);
+            attribute(capture.as_ref(), &mut report, at).await?;
         }
         Ok(report)
+    }
+
+    /// A queue bound to the service's outgoing exchanges (on a direct one,
+    /// to the routing keys the events' outbox messages use), emptied before
+    /// the first reference.
+    async fn capture(
+        &self,
+        events: &[&Event<G::Event>],
+    ) -> Result<Option<capture::Capture>, CheckError> {
+        let handler = (self.make)();
+        let mut direct_keys = BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+        for event in events {
+            for message in handler.outgoing(&event.event) {
+                direct_keys
+                    .entry(message.exchange)
+                    .or_default()
+                    .insert(message.routing_key);
+            }
+        }
+        let queue = format!("{}.outgoing", self.queue_prefix());
+        let capture =
+            capture::Capture::start(self.connection, queue, &self.config.outgoing, &direct_keys)
+                .await?;
+        if let Some(capture) = &capture {
+            capture.taken().await?;
+        }
+        Ok(capture)
     }
 
     /// The references: the events one at a time in the file's order, which
@@ -646,6 +682,30 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         row.seconds = started.elapsed().as_secs_f64();
         Ok(row)
     }
+}
+
+/// What reached the outgoing exchanges since the last look, charged to
+/// the row `at` of `report` (the first of the step that ran meanwhile).
+async fn attribute(
+    capture: Option<&capture::Capture>,
+    report: &mut CheckReport,
+    at: usize,
+) -> Result<(), CheckError> {
+    let Some(capture) = capture else {
+        return Ok(());
+    };
+    let captured = capture.taken().await?;
+    let Some(row) = report.runs.get_mut(at) else {
+        return Ok(());
+    };
+    if let Some((exchange, routing_key)) = &captured.first {
+        row.sent_outside += captured.messages;
+        row.findings.push(format!(
+            "sent outside idem's outbox: {} message(s) reached the outgoing exchanges while this              ran (the first to {exchange} with routing key {routing_key:?}), though a check              relays nothing: the handler sends them itself, and sends again when a transaction              rolls back or runs again; send them through the Outbox (or, if another publisher              shares this vhost, check on a vhost of your own)",
+            captured.messages
+        ));
+    }
+    Ok(())
 }
 
 /// The first [`SHOWN`] of `items` (each after `indent`), then how many

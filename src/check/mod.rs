@@ -31,6 +31,7 @@
 //!
 //! [`apply`]: crate::handler::Handler::apply
 
+mod capture;
 mod config;
 mod events;
 mod judge;

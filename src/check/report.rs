@@ -68,6 +68,10 @@ pub struct RunReport {
     /// Keys whose events applied out of the order they were sent in (runs
     /// on an ordered queue only).
     pub out_of_order: usize,
+    /// Messages that reached the service's outgoing exchanges while it
+    /// ran: a check relays nothing, so each was sent by the handler itself,
+    /// outside idem's outbox (or by another publisher on the vhost).
+    pub sent_outside: usize,
     /// Workers killed, connections cut or transactions failed on purpose.
     pub strikes: Option<usize>,
     /// What it found wrong, first ones first.
@@ -87,6 +91,7 @@ impl RunReport {
             && self.diverged.unwrap_or(0) == 0
             && self.violations == 0
             && self.out_of_order == 0
+            && self.sent_outside == 0
     }
 
     /// What went wrong, in a few words.
@@ -101,6 +106,7 @@ impl RunReport {
             (self.diverged.unwrap_or(0), "diverged"),
             (self.violations, "broke an invariant"),
             (self.out_of_order, "keys out of order"),
+            (self.sent_outside, "sent outside idem's outbox"),
         ] {
             if count > 0 {
                 trouble.push(format!("{count} {what}"));

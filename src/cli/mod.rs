@@ -618,7 +618,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 let console = Console::new(config, Arc::new(handler), shutdown).await?;
                 console.serve(args.http_addr).await?;
             }
-            Command::Check(args) => return prove(&args, handler, &shutdown).await,
+            Command::Check(args) => return prove(&args, handler, &self.outgoing, &shutdown).await,
             Command::Own(own) => return own.run(&handler, shutdown).await,
         }
         Ok(ExitCode::SUCCESS)
@@ -653,9 +653,11 @@ fn failed(e: &anyhow::Error, command: &clap::Command, args: &[OsString]) -> (Str
 async fn prove<H: Handler>(
     args: &CheckArgs,
     handler: H,
+    outgoing: &[Exchange],
     shutdown: &CancellationToken,
 ) -> anyhow::Result<ExitCode> {
-    let config = args.config()?;
+    let mut config = args.config()?;
+    config.outgoing = outgoing.to_vec();
     // The binary has one handler value: the check's workers share it.
     let handler = Arc::new(handler);
     let report = match check::run_until(&config, move || Arc::clone(&handler), shutdown).await {

@@ -297,6 +297,95 @@ impl Cached {
     }
 }
 
+/// Wrong: announces each transfer itself, with a channel of its own, from
+/// `apply` (as a team that publishes with lapin where the outbox belongs):
+/// sent whether or not idem's transaction commits, and again when it runs
+/// again.
+struct Publishing {
+    exchange: String,
+    channel: tokio::sync::OnceCell<lapin::Channel>,
+}
+
+impl Publishing {
+    fn to(exchange: &str) -> Self {
+        Self {
+            exchange: exchange.to_owned(),
+            channel: tokio::sync::OnceCell::new(),
+        }
+    }
+}
+
+impl Handler for Publishing {
+    type Event = Transfer;
+    const NAME: &'static str = "wallet";
+    const MIGRATIONS: &'static [Migration] = WALLET;
+
+    fn decode(&self, body: &[u8]) -> Result<Transfer, Invalid> {
+        decode(body)
+    }
+
+    fn event_id<'e>(&self, transfer: &'e Transfer) -> &'e str {
+        &transfer.event_id
+    }
+
+    async fn apply(
+        &self,
+        tx: &Transaction<'_>,
+        transfers: &[&Transfer],
+        _outbox: &mut Outbox<'_>,
+    ) -> Result<(), HandlerError> {
+        each_in_turn(tx, transfers).await?;
+        log(tx, transfers, false).await?;
+        let channel = self
+            .channel
+            .get_or_try_init(|| async {
+                let connection =
+                    lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+                        .await?;
+                connection.create_channel().await
+            })
+            .await
+            .map_err(HandlerError::infrastructure)?;
+        for transfer in transfers {
+            let body = serde_json::to_vec(transfer).map_err(HandlerError::message)?;
+            channel
+                .basic_publish(
+                    self.exchange.as_str().into(),
+                    "transfer.completed".into(),
+                    lapin::options::BasicPublishOptions::default(),
+                    &body,
+                    lapin::BasicProperties::default(),
+                )
+                .await
+                .map_err(HandlerError::infrastructure)?;
+        }
+        Ok(())
+    }
+}
+
+/// An exchange of the test's own, deleted when the test ends.
+struct OwnExchange(String);
+
+impl OwnExchange {
+    fn new(what: &str) -> Self {
+        Self(format!("{}.{what}", crate::support::unique_name()))
+    }
+}
+
+impl Drop for OwnExchange {
+    fn drop(&mut self) {
+        let amqp = AmqpConfig::new(SecretUrl::new(amqp_url()));
+        let exchanges = vec![self.0.clone()];
+        crate::support::clean_up(crate::support::remove(
+            amqp,
+            vec![],
+            exchanges,
+            vec![],
+            vec![],
+        ));
+    }
+}
+
 /// Transfers among the ten full accounts that no order can overdraw
 /// (at most 30 × 20 out of 1,000), and ten pairs `empty-2k → empty-2k+1`
 /// and back, 10 each, side by side: neither can pass alone, in any order.
@@ -367,11 +456,47 @@ fn run<'r>(report: &'r CheckReport, name: &str) -> anyhow::Result<&'r RunReport>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transfers_applied_each_in_turn_pass_every_run() -> anyhow::Result<()> {
-    let report = idem::check::run(&config(transfers()), || Wallet).await?;
+    // Its messages go through the outbox: nothing reaches the exchange.
+    let events = OwnExchange::new("wallet-events");
+    let config = config(transfers()).outgoing(idem::broker::Exchange::topic(&events.0));
+    let report = idem::check::run(&config, || Wallet).await?;
     ensure!(report.passed(), "{report}");
     let first = run(&report, "reference · the file's order")?;
     assert_eq!((first.applied, first.dead_lettered), (300, 20), "{report}");
     ensure!(!report.order_matters, "{report}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_publishes_from_apply_is_caught_sending_outside_the_outbox()
+-> anyhow::Result<()> {
+    let events = OwnExchange::new("wallet-events");
+    let config = config(transfers_with(false)).outgoing(idem::broker::Exchange::topic(&events.0));
+    let report = idem::check::run(&config, || Publishing::to(&events.0)).await?;
+    ensure!(!report.passed(), "{report}");
+    let first = run(&report, "reference · the file's order")?;
+    ensure!(first.sent_outside >= 300, "{report}");
+    ensure!(
+        first
+            .findings
+            .iter()
+            .any(|f| f.starts_with("sent outside idem's outbox") && f.contains(&events.0)),
+        "{report}"
+    );
+    // Every run on the worker sends them too, and is failed for it.
+    for name in [
+        "killed before commit · batch",
+        "2 workers sharing the load · per message",
+    ] {
+        let worker_run = run(&report, name)?;
+        ensure!(worker_run.sent_outside > 0, "{name}:\n{report}");
+        ensure!(!worker_run.passed(), "{name}:\n{report}");
+    }
+    ensure!(
+        report.verdict().contains("sent outside idem's outbox"),
+        "{}",
+        report.verdict()
+    );
     Ok(())
 }
 
