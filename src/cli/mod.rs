@@ -671,6 +671,29 @@ async fn prove<H: Handler>(
     } else {
         println!("{report}");
     }
+    if !report.passed() {
+        let program = std::env::args()
+            .next()
+            .as_deref()
+            .and_then(|path| {
+                std::path::Path::new(path)
+                    .file_name()?
+                    .to_str()
+                    .map(str::to_owned)
+            })
+            .unwrap_or_else(|| "idem".to_owned());
+        let again = format!(
+            "seed {}; the same runs again (with the same AMQP_URL and DATABASE_URL): {}",
+            args.seed,
+            args.again(&program)
+        );
+        // JSON on stdout stays JSON.
+        if args.json {
+            eprintln!("{again}");
+        } else {
+            println!("{again}");
+        }
+    }
     Ok(if report.passed() {
         ExitCode::SUCCESS
     } else {

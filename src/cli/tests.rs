@@ -276,3 +276,79 @@ fn a_pool_too_small_for_the_transactions_in_flight_is_refused_by_flag() {
     )),);
     assert!(worker(&["--max-in-flight", "8", "--pool-size", "10"]).is_ok());
 }
+
+/// `args` split as a POSIX shell splits them: words, single quotes, and
+/// `'\''` for a quote inside them.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut quoted = false;
+    let mut in_word = false;
+    let mut chars = line.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                in_word = true;
+            }
+            '\\' if !quoted => {
+                word.extend(chars.next());
+                in_word = true;
+            }
+            ' ' if !quoted => {
+                if in_word {
+                    words.push(std::mem::take(&mut word));
+                }
+                in_word = false;
+            }
+            c => {
+                word.push(c);
+                in_word = true;
+            }
+        }
+    }
+    if in_word {
+        words.push(word);
+    }
+    words
+}
+
+#[test]
+fn a_failing_check_s_command_again_parses_to_the_same_check() -> Result<(), String> {
+    let given = [
+        "idem",
+        "check",
+        "--events",
+        "incident 7.jsonl",
+        "--seed",
+        "42",
+        "--invariant",
+        "SELECT id FROM account WHERE note = 'it''s'",
+        "--witness",
+        "SELECT count(*) FROM log WHERE event_id = $1",
+        "--ignore-column",
+        "log.at",
+        "--copies",
+        "5",
+        "--consumer-group",
+        "wallet",
+    ];
+    let cli = parse(&given)?;
+    let Command::Check(args) = &cli.command else {
+        return Err("parsed as another command".into());
+    };
+    let again = args.again("idem");
+    let words = shell_words(&again);
+    let cli_again = parse(&words.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let Command::Check(again_args) = &cli_again.command else {
+        return Err(format!("{again} parsed as another command"));
+    };
+    assert_eq!(again_args.events, args.events, "{again}");
+    assert_eq!(again_args.seed, 42, "{again}");
+    assert_eq!(again_args.invariants, args.invariants, "{again}");
+    assert_eq!(again_args.witness, args.witness, "{again}");
+    assert_eq!(again_args.ignore_columns, args.ignore_columns, "{again}");
+    assert_eq!(again_args.copies, 5, "{again}");
+    assert_eq!(again_args.group.consumer_group, "wallet", "{again}");
+    Ok(())
+}

@@ -800,6 +800,19 @@ async fn the_notifications_example_passes_its_check_with_its_clock_column_left_o
         report["unstable"],
         serde_json::json!(["notification.queued_at"])
     );
+    // Failed, it says how to run the same check again, off the JSON.
+    let again = stamped
+        .stderr
+        .lines()
+        .find(|line| line.starts_with("seed 1; the same runs again"))
+        .unwrap_or_default();
+    ensure!(
+        again.contains(": notifications check --events /")
+            && again.contains("--seed 1")
+            && again.contains(&format!("--witness '{witness}'")),
+        "{}",
+        stamped.stderr
+    );
 
     let args = [
         "--witness",

@@ -244,6 +244,65 @@ impl CheckArgs {
     }
 }
 
+impl CheckArgs {
+    /// The command that runs this check again, the same runs in the same
+    /// orders, as `program` (the servers as this one was given them: their
+    /// URLs can hold passwords, and are left to the environment).
+    pub(crate) fn again(&self, program: &str) -> String {
+        let mut words = vec![
+            program.to_owned(),
+            "check".to_owned(),
+            "--events".to_owned(),
+            quoted(&self.events.display().to_string()),
+        ];
+        let mut flag = |name: &str, value: String| {
+            words.push(format!("--{name}"));
+            words.push(quoted(&value));
+        };
+        flag("consumer-group", self.group.consumer_group.clone());
+        flag("seed", self.seed.to_string());
+        if let Some(setup) = &self.setup {
+            flag("setup", setup.display().to_string());
+        }
+        for invariant in &self.invariants {
+            flag("invariant", invariant.clone());
+        }
+        if let Some(witness) = &self.witness {
+            flag("witness", witness.clone());
+        }
+        for column in &self.ignore_columns {
+            flag("ignore-column", column.clone());
+        }
+        if self.copies != CheckConfig::DEFAULT_COPIES {
+            flag("copies", self.copies.to_string());
+        }
+        if self.batch_size != CheckConfig::DEFAULT_BATCH_SIZE {
+            flag("batch-size", self.batch_size.to_string());
+        }
+        if self.max_attempts != CheckConfig::DEFAULT_MAX_ATTEMPTS {
+            flag("max-attempts", self.max_attempts.to_string());
+        }
+        if self.patience.0 != CheckConfig::DEFAULT_PATIENCE {
+            flag("patience", self.patience.to_string());
+        }
+        words.join(" ")
+    }
+}
+
+/// `text` as one word of a POSIX shell: as it is when it needs no quoting,
+/// otherwise in single quotes.
+fn quoted(text: &str) -> String {
+    let plain = !text.is_empty()
+        && text
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@%+".contains(c));
+    if plain {
+        text.to_owned()
+    } else {
+        format!("'{}'", text.replace('\'', "'\\''"))
+    }
+}
+
 /// `relay`.
 #[derive(Debug, Args)]
 pub(crate) struct RelayArgs {
