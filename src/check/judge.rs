@@ -650,6 +650,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                 let mut row = self.row(&plan.name, events, &observed, reference, lookup);
                 row.duplicates = Some(ran.duplicates);
                 row.strikes = Some(ran.strikes);
+                row.inconclusive = inconclusive(plan, &ran);
                 if plan.slots > 0 {
                     let out_of_order =
                         out_of_order(&scratch, &self.config.consumer_group, rig.keyed).await?;
@@ -682,6 +683,23 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         row.seconds = started.elapsed().as_secs_f64();
         Ok(row)
     }
+}
+
+/// Why the run `plan` that `ran` so proved nothing, if it did not: its
+/// fault never struck, or its copies met no event applied already.
+fn inconclusive(plan: &Plan, ran: &runs::Ran) -> Option<String> {
+    if plan.fault != runs::Fault::None && ran.strikes == 0 {
+        return Some(match plan.fault {
+            runs::Fault::Kill(runs::Moment::MidBatch) => {
+                "no batch of several events went one by one, so no worker died mid-batch".to_owned()
+            }
+            _ => "its fault never struck".to_owned(),
+        });
+    }
+    if plan.load.repeats.copies > 1 && ran.duplicates == 0 {
+        return Some("no copy met an event applied already".to_owned());
+    }
+    None
 }
 
 /// What reached the outgoing exchanges since the last look, charged to

@@ -74,6 +74,11 @@ pub struct RunReport {
     pub sent_outside: usize,
     /// Workers killed, connections cut or transactions failed on purpose.
     pub strikes: Option<usize>,
+    /// Why the run proved nothing, when it did not: its fault never struck
+    /// (a kill mid-batch where no batch went one by one), or its copies
+    /// never met an event applied already. A check with such a run does
+    /// not pass.
+    pub inconclusive: Option<String>,
     /// What it found wrong, first ones first.
     pub findings: Vec<String>,
     /// Why it could not finish, if it could not.
@@ -117,9 +122,20 @@ impl RunReport {
 }
 
 impl CheckReport {
-    /// Every run matched, and the reference is the same when run twice.
+    /// Every run matched, none was inconclusive, and the reference is the
+    /// same when run twice.
     pub fn passed(&self) -> bool {
-        self.unstable.is_empty() && self.runs.iter().all(RunReport::passed)
+        self.unstable.is_empty()
+            && self.runs.iter().all(RunReport::passed)
+            && self.inconclusive().is_empty()
+    }
+
+    /// The runs that proved nothing, each with why.
+    pub fn inconclusive(&self) -> Vec<String> {
+        self.runs
+            .iter()
+            .filter_map(|run| Some(format!("{}: {}", run.name, run.inconclusive.as_ref()?)))
+            .collect()
     }
 
     /// The names of the runs that did not pass.
@@ -151,6 +167,23 @@ impl CheckReport {
             .filter(|run| !run.passed())
             .map(|run| format!("{}: {}", run.name, run.trouble().join(", ")))
             .collect();
+        let inconclusive = self.inconclusive();
+        if said.is_empty() && self.unstable.is_empty() {
+            return format!(
+                "check INCONCLUSIVE: nothing went wrong, but {} proved nothing: {} (more events, \
+                 or another --seed, give them something to strike)",
+                match inconclusive.len() {
+                    1 => "1 run".to_owned(),
+                    n => format!("{n} runs"),
+                },
+                inconclusive.join("; ")
+            );
+        }
+        said.extend(
+            inconclusive
+                .into_iter()
+                .map(|why| format!("inconclusive, {why}")),
+        );
         if !self.unstable.is_empty() {
             said.insert(
                 0,
@@ -231,7 +264,9 @@ impl fmt::Display for CheckReport {
         let told: Vec<&RunReport> = self
             .runs
             .iter()
-            .filter(|run| !run.findings.is_empty() || run.error.is_some())
+            .filter(|run| {
+                !run.findings.is_empty() || run.error.is_some() || run.inconclusive.is_some()
+            })
             .collect();
         if !told.is_empty() {
             writeln!(f)?;
@@ -240,6 +275,9 @@ impl fmt::Display for CheckReport {
                 writeln!(f, "  {}:", run.name)?;
                 if let Some(error) = &run.error {
                     writeln!(f, "    did not finish: {error}")?;
+                }
+                if let Some(why) = &run.inconclusive {
+                    writeln!(f, "    inconclusive: {why}")?;
                 }
                 for finding in &run.findings {
                     writeln!(f, "    {finding}")?;

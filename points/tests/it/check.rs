@@ -501,6 +501,32 @@ async fn a_handler_that_publishes_from_apply_is_caught_sending_outside_the_outbo
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_check_whose_fault_never_strikes_is_inconclusive_not_passed() -> anyhow::Result<()> {
+    // One event: no batch of several can go one by one, so no worker can
+    // die mid-batch; every other run proves what it proves.
+    let one = transfers_with(false).into_iter().take(1).collect();
+    let report = idem::check::run(&config(one), || Wallet).await?;
+    ensure!(!report.passed(), "{report}");
+    ensure!(report.failed_runs().is_empty(), "{report}");
+    assert_eq!(
+        report.inconclusive(),
+        [
+            "killed mid-batch · batch: no batch of several events went one by one, so no worker \
+          died mid-batch"
+        ],
+        "{report}"
+    );
+    ensure!(
+        report
+            .verdict()
+            .starts_with("check INCONCLUSIVE: nothing went wrong, but 1 run"),
+        "{}",
+        report.verdict()
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_nets_a_batch_per_account_fails_batch_equivalence() -> anyhow::Result<()> {
     let report = idem::check::run(&config(transfers()), || Netting).await?;
     ensure!(!report.passed(), "{report}");
