@@ -300,25 +300,29 @@ impl Store {
     /// With acks after standbys ([`Store::with_standbys`]): refuses a role
     /// that cannot read the standbys' positions, which would never count,
     /// and says how many standbys stream now and how many a commit waits
-    /// for.
-    pub async fn check_standbys(&self, server: &str) -> Result<(), ReadyError> {
+    /// for. A server that does not answer is waited for, up to `patience`,
+    /// as [`wait_until_ready`](Store::wait_until_ready) waits.
+    pub async fn check_standbys(
+        &self,
+        server: &str,
+        patience: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ReadyError> {
         let Some(standbys) = &self.standbys else {
             return Ok(());
         };
-        let refused = |error: StoreError| ReadyError::Refused {
-            server: server.to_owned(),
-            error,
-        };
-        let client = self.pool.get().await.map_err(|e| refused(e.into()))?;
-        let row = client
-            .query_one(
-                "SELECT current_user::text, pg_has_role('pg_read_all_stats', 'MEMBER'), \
-                        (SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming')",
-                &[],
-            )
-            .await
-            .map_err(|e| refused(e.into()))?;
-        let (role, reads, streaming): (String, bool, i64) = (row.get(0), row.get(1), row.get(2));
+        let (role, reads, streaming) = until_answered(server, patience, shutdown, || async {
+            let client = self.pool.get().await?;
+            let row = client
+                .query_one(
+                    "SELECT current_user::text, pg_has_role('pg_read_all_stats', 'MEMBER'), \
+                            (SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming')",
+                    &[],
+                )
+                .await?;
+            Ok::<(String, bool, i64), StoreError>((row.get(0), row.get(1), row.get(2)))
+        })
+        .await?;
         if !reads {
             return Err(ReadyError::StandbysHidden {
                 server: server.to_owned(),

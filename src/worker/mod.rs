@@ -296,7 +296,7 @@ async fn ready<H: Handler>(
         Some(replication) => debug!("PostgreSQL at {server}: {replication}"),
         None => {}
     }
-    store.check_standbys(&server).await
+    store.check_standbys(&server, patience, shutdown).await
 }
 
 /// The totals of a worker that stopped; nothing for one that never
