@@ -214,6 +214,14 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             };
         }
         report.left_out = tables.left_out.clone();
+        // The check's own, not the team's: labelled as such.
+        for left_out in &mut report.left_out {
+            if report.unstable.contains(&left_out.column)
+                && !config.ignore_columns.contains(&left_out.column)
+            {
+                left_out.why = state::Why::Unstable;
+            }
+        }
         report.tables = tables.names();
         report.runs.push(first_row);
         report.runs.push(again_row);

@@ -32,6 +32,11 @@ pub struct LeftOut {
 pub enum Why {
     /// `--ignore-column` said so.
     Asked,
+    /// The reference set it differently when run twice in the same order
+    /// (a clock, a random value, state kept in memory): the check fails
+    /// for it, and leaves it out of what it compares after, so that what
+    /// else differs shows.
+    Unstable,
     /// Its values come from a sequence (an identity or serial column):
     /// they differ whenever transactions commit, or roll back, in another
     /// order, whatever the handler does.
@@ -42,6 +47,11 @@ impl fmt::Display for LeftOut {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self.why {
             Why::Asked => write!(f, "{} (--ignore-column)", self.column),
+            Why::Unstable => write!(
+                f,
+                "{} (differs from itself; left out after the reference)",
+                self.column
+            ),
             Why::Sequence => write!(f, "{} (drawn from a sequence)", self.column),
         }
     }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::ensure;
 use idem::broker::AmqpConfig;
-use idem::check::{CheckConfig, CheckReport, RunReport};
+use idem::check::{CheckConfig, CheckReport, RunReport, Why};
 use idem::handler::{
     Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Transaction,
 };
@@ -627,16 +627,34 @@ async fn a_handler_that_stamps_its_rows_with_the_clock_differs_from_itself_unles
         "{}",
         report.verdict()
     );
-    // Every other run is judged without the column, and matches.
+    // Every other run is judged without the column, and matches; the
+    // column is said to be left out by the check, not by the team.
     assert_eq!(
         report.failed_runs(),
         ["reference · the file's order, again"],
+        "{report}"
+    );
+    let left_out_by = |report: &CheckReport| {
+        report
+            .left_out
+            .iter()
+            .map(|left| (left.column.clone(), left.why))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        left_out_by(&report),
+        [("transfer_log.applied_at".to_owned(), Why::Unstable)],
         "{report}"
     );
 
     let left_out = config(transfers()).ignore_column("transfer_log.applied_at");
     let report = idem::check::run(&left_out, || Stamped).await?;
     ensure!(report.passed(), "{report}");
+    assert_eq!(
+        left_out_by(&report),
+        [("transfer_log.applied_at".to_owned(), Why::Asked)],
+        "{report}"
+    );
     Ok(())
 }
 
