@@ -545,6 +545,44 @@ async fn html_in_a_body_or_an_error_is_shown_as_text_and_runs_nothing() -> anyho
     }
     ensure!(page.title().await? != "pwned");
     browser.keep("console-hostile-letter").await?;
+    console.stop().await?;
+
+    // Logged in on a console that allows edits: the hostile body sits in
+    // the edit form as text, and comes back so when the edit is refused.
+    let console = RunningConsole::start(&env, |config| config.allow_edits = true).await?;
+    browser.log_in(&console).await?;
+    let key = idem::store::dead_letters::body_key(payload.as_bytes());
+    page.goto(&console.url(&format!("/letter?key={}", key.replace(' ', "+"))))
+        .await?;
+    page.find(Locator::Css("details.edit summary"))
+        .await?
+        .click()
+        .await?;
+    let area = page.find(Locator::Css("form.edit textarea")).await?;
+    ensure!(
+        area.prop("value").await?.as_deref() == Some(payload),
+        "the body in the edit form as it was sent"
+    );
+    page.find(Locator::Css("form.edit button[type=submit]"))
+        .await?
+        .click()
+        .await?;
+    browser.text_holding("main", "nothing was edited").await?;
+    let given_back = page
+        .find(Locator::Css("form.edit textarea"))
+        .await?
+        .prop("value")
+        .await?;
+    ensure!(given_back.as_deref() == Some(payload), "{given_back:?}");
+    ensure!(
+        page.title().await? != "pwned",
+        "a script ran in the edit form"
+    );
+    let images = page.find_all(Locator::Css("main img")).await?;
+    ensure!(
+        images.is_empty(),
+        "the payload became an element in the edit form"
+    );
 
     browser.close().await?;
     console.stop().await?;
