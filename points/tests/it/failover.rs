@@ -664,6 +664,21 @@ async fn a_prune_cut_by_a_failover_leaves_every_epoch_whole() -> anyhow::Result<
     every_credit_downstream(&env, worker, &queue, &want).await
 }
 
+/// `idem dlq VERB` on `env`'s letters against the pair, which must succeed.
+async fn dlq_on_the_pair(env: &TestEnv, verb: &str) -> anyhow::Result<()> {
+    let ran = crate::support::idem_command(env, &amqp_url(), &Pair::url())
+        .args(["dlq", verb])
+        .output()
+        .await?;
+    anyhow::ensure!(
+        ran.status.success(),
+        "dlq {verb}: {}{}",
+        String::from_utf8_lossy(&ran.stdout),
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    Ok(())
+}
+
 /// A replay of dead letters through a failover: 600 letters replayed at
 /// 100 a second, the primary killed once 100 are back in the work queue.
 /// The replay stops with a line naming the database (or goes on, once its
@@ -681,17 +696,7 @@ async fn a_replay_through_a_failover_loses_no_letter_and_applies_nothing_twice()
         .failed_events(&["failover-a", "failover-b"], 300)
         .await?;
     let dead_letters = &env.topology.dead_letter_queue;
-    let mut replay = WorkerProcess::start({
-        let mut command = crate::support::idem_command(&env, &amqp_url(), &Pair::url());
-        command.args(["dlq", "replay", "--rate", "100"]);
-        command
-    })?;
-    wait_for(
-        "the replay to be under way",
-        Duration::from_secs(60),
-        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
-    )
-    .await?;
+    let mut replay = crate::support::replay_under_way(&env, &Pair::url()).await?;
     let lost = pair.primary().await?.context("the pair has no primary")?;
     pair.run("kill", &[lost]).await?;
     let code = replay.wait(Duration::from_secs(180)).await?;
@@ -720,31 +725,14 @@ async fn a_replay_through_a_failover_loses_no_letter_and_applies_nothing_twice()
         },
     )
     .await?;
-    let again = crate::support::idem_command(&env, &amqp_url(), &Pair::url())
-        .args(["dlq", "replay"])
-        .output()
-        .await?;
-    anyhow::ensure!(
-        again.status.success(),
-        "the second replay: {}{}",
-        String::from_utf8_lossy(&again.stdout),
-        String::from_utf8_lossy(&again.stderr)
-    );
+    dlq_on_the_pair(&env, "replay").await?;
     wait_for(
         "the dead-letter queue empty",
         Duration::from_secs(60),
         || async { Ok(env.ready(dead_letters).await? == 0 && env.messages(dead_letters)? == 0) },
     )
     .await?;
-    let sync = crate::support::idem_command(&env, &amqp_url(), &Pair::url())
-        .args(["dlq", "sync"])
-        .output()
-        .await?;
-    anyhow::ensure!(
-        sync.status.success(),
-        "dlq sync: {}",
-        String::from_utf8_lossy(&sync.stderr)
-    );
+    dlq_on_the_pair(&env, "sync").await?;
     assert_eq!(
         env.count_rows("mq_dead_letter").await?,
         0,

@@ -13,8 +13,8 @@ use idem_points::points::PaymentSucceeded;
 use crate::proxy::Proxy;
 use crate::support::{
     GROUP, RunningWorker, TestEnv, WorkerProcess, admin, amqp_address, amqp_host_port, amqp_url,
-    amqp_url_at, amqp_user, assert_exact, database_url, free_port, idem_command, load, patient,
-    postgres_address, postgres_host_port, run_idem, wait_for,
+    amqp_url_at, amqp_user, assert_exact, database_url, free_port, load, patient, postgres_address,
+    postgres_host_port, run_idem, wait_for,
 };
 use idem::worker::Mode;
 
@@ -593,17 +593,7 @@ async fn a_filtered_replay_cut_off_mid_way_leaves_exactly_the_letters_it_did_not
 async fn a_replay_killed_mid_way_loses_nothing_and_applies_nothing_twice() -> anyhow::Result<()> {
     let env = TestEnv::new().await?;
     let events = env.failed_events(&["killed-a", "killed-b"], 300).await?;
-    let mut replay = WorkerProcess::start({
-        let mut command = idem_command(&env, &amqp_url(), &database_url());
-        command.args(["dlq", "replay", "--rate", "100"]);
-        command
-    })?;
-    wait_for(
-        "the replay to be under way",
-        Duration::from_secs(60),
-        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
-    )
-    .await?;
+    let mut replay = crate::support::replay_under_way(&env, &database_url()).await?;
     replay.kill().await?;
     let replayed = u64::from(env.ready(&env.topology.queue).await?);
     assert!(

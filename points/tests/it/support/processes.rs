@@ -19,6 +19,24 @@ pub fn idem_command(env: &TestEnv, amqp_url: &str, database_url: &str) -> tokio:
     command
 }
 
+/// `idem dlq replay --rate 100` of `env`'s dead letters, against the
+/// database at `database_url`, once at least 100 of them are back in the
+/// work queue: a replay under way, for a test to cut.
+pub async fn replay_under_way(env: &TestEnv, database_url: &str) -> anyhow::Result<WorkerProcess> {
+    let replay = WorkerProcess::start({
+        let mut command = idem_command(env, &amqp_url(), database_url);
+        command.args(["dlq", "replay", "--rate", "100"]);
+        command
+    })?;
+    wait_for(
+        "the replay to be under way",
+        Duration::from_secs(60),
+        || async { Ok(env.ready(&env.topology.queue).await? >= 100) },
+    )
+    .await?;
+    Ok(replay)
+}
+
 /// What a run of `idem` printed, and its exit code.
 pub struct Ran {
     pub code: Option<i32>,
