@@ -10,7 +10,8 @@ use tokio::time::Instant;
 
 use super::{
     Check, CheckError, Decoded, Equivalence, Event, Fates, Lookup, OUTGOING_LOOKED_AT, Observed,
-    Plan, Rig, RunReport, SHOWN, Scratch, Tables, capture, fates_of, reference, runs, state,
+    Plan, Rig, RunReport, SHOWN, Scratch, Tables, capture, collide, fates_of, reference, runs,
+    state,
 };
 use crate::CheckReport;
 use crate::handler::{Handler, message_id};
@@ -59,10 +60,23 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
         let ordered_reference =
             (!report.order_matters || report.order_within_keys_only).then_some(&expected);
 
+        // Events that name a same row side by side, as hot rows put them
+        // in production's batches.
+        let placed: Vec<collide::Placed<'_>> = events
+            .iter()
+            .map(|event| collide::Placed {
+                body: &event.body,
+                key: keys.get(&event.body).map(String::as_str),
+            })
+            .collect();
+        let order = collide::side_by_side(&placed, &expected.state.row_names());
+        let side_by_side: Vec<&Event<G::Event>> = order.iter().map(|&at| events[at]).collect();
+        let load = collide::bodies_in_order(&config.events, &placed, &order);
+
         // Batch equivalence, on two cuts of the events.
         let at = report.runs.len();
         report.runs.push(
-            self.equivalence(&events, &tables, reference, &lookup)
+            self.equivalence(&side_by_side, &tables, reference, &lookup)
                 .await?,
         );
         attribute(capture.as_ref(), &mut report, at).await?;
@@ -79,7 +93,7 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             make: self.make,
             consumer_group: &config.consumer_group,
             prefix: &self.queue_prefix(),
-            bodies: &config.events,
+            bodies: &load,
             events: &bodies,
             keys,
             keyed: &keyed,
@@ -632,7 +646,8 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
             row.findings
                 .push(format!("… and {} more batches", unequal - shown));
         }
-        row.name = format!("batch equivalence ({batches} batches of {size}, two cuts)");
+        row.name =
+            format!("batch equivalence ({batches} batches of {size}, two cuts, rows together)");
         row.diverged = Some(row.diverged.unwrap_or(0) + unequal);
         row.seconds = started.elapsed().as_secs_f64();
         Ok(row)
@@ -666,7 +681,11 @@ impl<G: Handler, F: Fn() -> G + Send + Sync> Check<'_, F> {
                     row.findings
                         .extend(first_few(out_of_order, "keys out of order", ""));
                 }
-                if ran.retried > 0 && plan.fault != runs::Fault::CutDatabase {
+                let cut = matches!(
+                    plan.fault,
+                    runs::Fault::CutDatabase | runs::Fault::CutCommit
+                );
+                if ran.retried > 0 && !cut {
                     let (count, verb) = match ran.retried {
                         1 => ("1 transaction".to_owned(), "was"),
                         n => (format!("{n} transactions"), "were"),
@@ -703,6 +722,13 @@ fn inconclusive(plan: &Plan, ran: &runs::Ran) -> Option<String> {
             }
             _ => "its fault never struck".to_owned(),
         });
+    }
+    // A commit the worker did not hear of comes back as duplicates.
+    if plan.fault == runs::Fault::CutCommit && ran.duplicates == 0 {
+        return Some(
+            "no commit went through unheard: none of the transactions cut came back as duplicates"
+                .to_owned(),
+        );
     }
     if plan.load.repeats.copies > 1 && ran.duplicates == 0 {
         return Some("no copy met an event applied already".to_owned());

@@ -32,6 +32,7 @@
 //! [`apply`]: crate::handler::Handler::apply
 
 mod capture;
+mod collide;
 mod config;
 mod events;
 mod judge;

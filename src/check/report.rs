@@ -225,8 +225,16 @@ impl fmt::Display for CheckReport {
              returned."
         )?;
         writeln!(f)?;
+        // The longest run's name sets the first column.
+        let width = self
+            .runs
+            .iter()
+            .map(|run| run.name.chars().count())
+            .max()
+            .unwrap_or(0)
+            .max(48);
         let header = format!(
-            "{:<48} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>8} {:>9} {:>6} {:>6}",
+            "{:<width$} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>8} {:>9} {:>6} {:>6}",
             "run",
             "events",
             "applied",
@@ -242,7 +250,7 @@ impl fmt::Display for CheckReport {
         writeln!(f, "{}", header.trim_end())?;
         for run in &self.runs {
             let line = format!(
-                "{:<48} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>8} {:>9} {:>6} {:>6.1}",
+                "{:<width$} {:>7} {:>7} {:>7} {:>5} {:>7} {:>5} {:>8} {:>9} {:>6} {:>6.1}",
                 run.name,
                 run.events,
                 run.applied,
@@ -256,7 +264,7 @@ impl fmt::Display for CheckReport {
                 run.seconds,
             );
             let line = match &run.error {
-                Some(_) => format!("{:<48} did not finish", run.name),
+                Some(_) => format!("{:<width$} did not finish", run.name),
                 None => line,
             };
             writeln!(f, "{}", line.trim_end())?;

@@ -49,6 +49,9 @@ pub(crate) enum Fault {
     Kill(Moment),
     /// The database connection is cut before a commit.
     CutDatabase,
+    /// The database connection is cut with the commit in flight: it
+    /// reached the server, whose answer never comes back.
+    CutCommit,
     /// The broker connection is cut after a commit, before the acks.
     CutBroker,
     /// Some events fail for a cause that is then fixed; copies of the
@@ -111,13 +114,14 @@ pub(crate) fn plans(copies: usize, batch_size: usize, seed: u64, ordered: bool) 
     // Name, slug, modes, fault, workers, copies of each message.
     type Run<'a> = (&'a str, &'a str, &'a [Mode], Fault, usize, usize);
     #[rustfmt::skip]
-    let runs: [Run<'_>; 9] = [
+    let runs: [Run<'_>; 10] = [
         ("2 workers sharing the load", "shared", BOTH, Fault::None, 2, 1),
         (&copies_at_once, "copies", BOTH, Fault::None, 2, copies),
         ("killed before commit", "killed_before", BOTH, Fault::Kill(Moment::BeforeCommit), 1, 1),
         ("killed after commit", "killed_after", BOTH, Fault::Kill(Moment::AfterCommit), 1, 1),
         ("killed mid-batch", "killed_mid", BATCH, Fault::Kill(Moment::MidBatch), 1, 1),
         ("database cut", "database", BOTH, Fault::CutDatabase, 1, 1),
+        ("database cut, commit in flight", "commit", BOTH, Fault::CutCommit, 1, 1),
         ("broker cut before the acks", "broker", BOTH, Fault::CutBroker, 1, 1),
         ("late copies, replayed dead letters", "replay", BATCH, Fault::Replay, 1, 1),
         ("another order, batches of 7", "order", BATCH, Fault::None, 1, 1),
@@ -181,7 +185,8 @@ pub(crate) struct Rig<'a, F> {
     pub(crate) consumer_group: &'a str,
     /// Start of every queue's name.
     pub(crate) prefix: &'a str,
-    /// Every body of the file, in its order.
+    /// Every body of the file, in the order the runs publish them: those
+    /// of events that name a same row side by side (`collide`).
     pub(crate) bodies: &'a [Vec<u8>],
     /// Distinct valid events: their ids and a body of each.
     pub(crate) events: &'a [(String, Vec<u8>)],
@@ -702,6 +707,7 @@ enum Act {
     Fail(FailureKind, String),
     Die,
     CutDatabase,
+    CutAfterCommitSent,
     CutBroker,
 }
 
@@ -758,7 +764,8 @@ impl WorkerProbe {
             {
                 self.die(&mut state)
             }
-            (Fault::CutDatabase, Point::BeforeCommit) | (Fault::CutBroker, Point::AfterCommit) => {
+            (Fault::CutDatabase | Fault::CutCommit, Point::BeforeCommit)
+            | (Fault::CutBroker, Point::AfterCommit) => {
                 state.reached += 1;
                 if spent || !CUT_AT.contains(&state.reached) {
                     return Act::Go;
@@ -766,6 +773,7 @@ impl WorkerProbe {
                 state.strikes += 1;
                 match shared.fault {
                     Fault::CutDatabase => Act::CutDatabase,
+                    Fault::CutCommit => Act::CutAfterCommitSent,
                     _ => Act::CutBroker,
                 }
             }
@@ -833,6 +841,11 @@ impl Probe for WorkerProbe {
                 Act::Die => std::future::pending().await,
                 Act::CutDatabase => {
                     self.database.cut();
+                    Verdict::Go
+                }
+                // What the worker sends next is the commit.
+                Act::CutAfterCommitSent => {
+                    self.database.cut_after_next_write();
                     Verdict::Go
                 }
                 Act::CutBroker => {

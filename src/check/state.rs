@@ -257,6 +257,27 @@ impl Tables {
     }
 }
 
+impl State {
+    /// The text values of the keys of the rows it holds, in tables with a
+    /// key: what names a row an event touches (an account, a show, an
+    /// order), as an event's body gives it.
+    pub(crate) fn row_names(&self) -> BTreeSet<String> {
+        let mut names = BTreeSet::new();
+        for (_, rows) in &self.tables {
+            let Rows::Keyed(rows) = rows else { continue };
+            for key in rows.keys() {
+                if let Ok(Value::Array(values)) = serde_json::from_str::<Value>(key) {
+                    names.extend(values.into_iter().filter_map(|value| match value {
+                        Value::String(text) if text.chars().count() >= 2 => Some(text),
+                        _ => None,
+                    }));
+                }
+            }
+        }
+        names
+    }
+}
+
 /// `name` as a quoted identifier.
 fn quoted(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))

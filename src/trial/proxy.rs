@@ -3,10 +3,11 @@
 //! touching the servers: to the server, a cut is a client that died.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
@@ -86,6 +87,17 @@ impl Proxy {
         }
     }
 
+    /// Drops each connection through the proxy right after the next bytes
+    /// its client sends have reached the server, before any answer comes
+    /// back: a statement the client sends next (a `COMMIT`) runs, and the
+    /// client never hears how it went. New connections are not touched.
+    pub fn cut_after_next_write(&self) {
+        let connections = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        for connection in connections.iter() {
+            connection.armed.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// How many connections were closed at once while severed: attempts of
     /// a client that could not get through.
     pub fn turned_away(&self) -> usize {
@@ -124,11 +136,16 @@ async fn accept(
             continue;
         }
         let (cut_late, cut) = oneshot::channel();
-        let task = tokio::spawn(forward(client, upstream, cut));
+        let armed = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(forward(client, upstream, cut, Arc::clone(&armed)));
         connections
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push(Link { task, cut_late });
+            .push(Link {
+                task,
+                cut_late,
+                armed,
+            });
     }
 }
 
@@ -139,18 +156,52 @@ struct Link {
     task: JoinHandle<()>,
     /// Drops the client's side, and the server's this much later.
     cut_late: oneshot::Sender<Duration>,
+    /// Drops both sides once the client's next bytes reached the server.
+    armed: Arc<AtomicBool>,
 }
 
-async fn forward(mut client: TcpStream, upstream: SocketAddr, cut: oneshot::Receiver<Duration>) {
-    let Ok(mut server) = TcpStream::connect(upstream).await else {
+async fn forward(
+    client: TcpStream,
+    upstream: SocketAddr,
+    cut: oneshot::Receiver<Duration>,
+    armed: Arc<AtomicBool>,
+) {
+    let Ok(server) = TcpStream::connect(upstream).await else {
         return;
     };
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
+    let (mut client_reads, mut client_writes) = client.into_split();
+    let (mut server_reads, mut server_writes) = server.into_split();
+    // Client to server by hand, to stop right after a write once armed.
+    let up = async {
+        let mut buffer = vec![0; 16 * 1024];
+        loop {
+            match client_reads.read(&mut buffer).await {
+                Ok(0) => {
+                    // The client is done sending; the server's answer
+                    // still comes back.
+                    let _ = server_writes.shutdown().await;
+                    return std::future::pending().await;
+                }
+                Ok(read) => {
+                    if server_writes.write_all(&buffer[..read]).await.is_err()
+                        || armed.load(Ordering::Relaxed)
+                    {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
+        }
+    };
+    let down = tokio::io::copy(&mut server_reads, &mut client_writes);
     tokio::select! {
-        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+        () = up => {}
+        _ = down => {}
         Ok(late) = cut => {
-            drop(client);
+            drop(client_writes);
+            drop(client_reads);
             tokio::time::sleep(late).await;
         }
     }
