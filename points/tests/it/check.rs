@@ -1,47 +1,27 @@
 //! `check` on handlers known to be wrong, each caught by the run that
-//! should catch it, and on handlers that are right: a transfer handler
-//! that nets a batch per account, one that writes through a connection of
-//! its own, one that stamps its rows with the clock, one that computes
-//! balances from a cache in memory; and the same transfers done right.
-//!
-//! Over 700 lines: one scenario per test, check's and its wrong handlers in
-//! one place.
+//! should catch it, and on handlers that are right: the transfer handlers
+//! of `examples/mistakes` (netting a batch, a connection of its own, the
+//! clock, a message per batch, a cache in memory, a publish from `apply`, a
+//! read-modify-write without a lock) and the same transfers done right;
+//! then the services' own checks, through their binaries.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::ensure;
 use idem::broker::AmqpConfig;
 use idem::check::{CheckConfig, CheckReport, RunReport, Why};
-use idem::handler::{
-    Handler, HandlerError, Invalid, Migration, Outbox, OutboxMessage, Transaction,
-};
 use idem::secret::SecretUrl;
 use idem::store::DatabaseConfig;
 
 use crate::support::{amqp_url, database_url, patient};
 
-/// `{"eventId": "t-1", "from": "acct-1", "to": "acct-2", "amount": 10}`
-#[derive(Debug, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "camelCase")]
-struct Transfer {
-    event_id: String,
-    from: String,
-    to: String,
-    amount: i64,
-}
+/// The handlers judged: `examples/mistakes`, as the crate ships them.
+#[path = "../../../examples/mistakes/transfers.rs"]
+mod transfers;
 
-/// Accounts that may not go below zero, and one log row per transfer.
-const WALLET: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_wallet.sql",
-    sql: "CREATE TABLE account (id TEXT COLLATE \"C\" PRIMARY KEY, \
-                                balance BIGINT NOT NULL CHECK (balance >= 0)); \
-          CREATE TABLE transfer_log (event_id TEXT COLLATE \"C\" NOT NULL, \
-                                     from_account TEXT NOT NULL, to_account TEXT NOT NULL, \
-                                     amount BIGINT NOT NULL, applied_at TIMESTAMPTZ)",
-}];
+use transfers::{
+    Cached, Netting, OwnConnection, Publishing, Stamped, Summarizing, Transfer, Unlocked, Wallet,
+};
 
 /// Ten accounts of 1,000 each, and ten pairs of empty ones.
 const SETUP: &str = "INSERT INTO account SELECT 'acct-' || n, 1000 FROM generate_series(0, 9) n; \
@@ -51,317 +31,6 @@ const SETUP: &str = "INSERT INTO account SELECT 'acct-' || n, 1000 FROM generate
 const CONSERVED: &str = "SELECT sum(balance) AS total FROM account HAVING sum(balance) <> 10000";
 
 const WITNESS: &str = "SELECT count(*) FROM transfer_log WHERE event_id = $1";
-
-fn decode(body: &[u8]) -> Result<Transfer, Invalid> {
-    let transfer: Transfer = serde_json::from_slice(body)?;
-    if transfer.amount <= 0 || transfer.from == transfer.to {
-        return Err(Invalid::new(
-            "a transfer moves a positive amount between two accounts",
-        ));
-    }
-    Ok(transfer)
-}
-
-/// Debits `from`, credits `to`, in the transaction; an unknown account can
-/// never apply.
-async fn move_money(tx: &Transaction<'_>, transfer: &Transfer) -> Result<(), HandlerError> {
-    let step = tx
-        .prepare_cached("UPDATE account SET balance = balance + $2 WHERE id = $1")
-        .await?;
-    let (first, second) = ordered(transfer);
-    for (account, amount) in [first, second] {
-        if tx.execute(&step, &[&account, &amount]).await? != 1 {
-            return Err(HandlerError::permanent(format!("no account {account}")));
-        }
-    }
-    Ok(())
-}
-
-/// Locks every account of `transfers`, in the accounts' order: batches in
-/// flight at once then never wait on each other in a circle.
-async fn lock(tx: &Transaction<'_>, transfers: &[&Transfer]) -> Result<(), HandlerError> {
-    let accounts: Vec<&str> = transfers
-        .iter()
-        .flat_map(|t| [t.from.as_str(), t.to.as_str()])
-        .collect();
-    let lock = tx
-        .prepare_cached("SELECT id FROM account WHERE id = ANY($1) ORDER BY id FOR UPDATE")
-        .await?;
-    tx.query(&lock, &[&accounts]).await?;
-    Ok(())
-}
-
-/// Locks the accounts, then makes each transfer in turn, in the order given.
-async fn each_in_turn(tx: &Transaction<'_>, transfers: &[&Transfer]) -> Result<(), HandlerError> {
-    lock(tx, transfers).await?;
-    for transfer in transfers {
-        move_money(tx, transfer).await?;
-    }
-    Ok(())
-}
-
-/// The two legs of a transfer, in the accounts' order (so that two
-/// transactions lock them in one order).
-fn ordered(transfer: &Transfer) -> ((&str, i64), (&str, i64)) {
-    let debit = (transfer.from.as_str(), -transfer.amount);
-    let credit = (transfer.to.as_str(), transfer.amount);
-    if debit.0 < credit.0 {
-        (debit, credit)
-    } else {
-        (credit, debit)
-    }
-}
-
-async fn log(
-    tx: &Transaction<'_>,
-    transfers: &[&Transfer],
-    stamped: bool,
-) -> Result<(), HandlerError> {
-    let sql = if stamped {
-        "INSERT INTO transfer_log VALUES ($1, $2, $3, $4, now())"
-    } else {
-        "INSERT INTO transfer_log VALUES ($1, $2, $3, $4, NULL)"
-    };
-    let insert = tx.prepare_cached(sql).await?;
-    for t in transfers {
-        tx.execute(&insert, &[&t.event_id, &t.from, &t.to, &t.amount])
-            .await?;
-    }
-    Ok(())
-}
-
-/// A transfer handler whose `apply` is `body`, with the handler, the
-/// transaction, the batch's transfers and the outbox named as given; each
-/// transfer it makes sends `transfer.completed`.
-macro_rules! transfer_handler {
-    ($name:ident, |$this:ident, $tx:ident, $transfers:ident, $outbox:ident| $body:block) => {
-        impl Handler for $name {
-            type Event = Transfer;
-            const NAME: &'static str = "wallet";
-            const MIGRATIONS: &'static [Migration] = WALLET;
-            const SENDS_MESSAGES: bool = true;
-
-            fn decode(&self, body: &[u8]) -> Result<Transfer, Invalid> {
-                decode(body)
-            }
-
-            fn event_id<'e>(&self, transfer: &'e Transfer) -> &'e str {
-                &transfer.event_id
-            }
-
-            /// Every transfer made says so, through the outbox.
-            fn outgoing(&self, transfer: &Transfer) -> Vec<OutboxMessage> {
-                let body = serde_json::to_vec(transfer).unwrap_or_default();
-                vec![OutboxMessage::json(
-                    "wallet.events",
-                    "transfer.completed",
-                    body,
-                )]
-            }
-
-            async fn apply(
-                &self,
-                tx: &Transaction<'_>,
-                transfers: &[&Transfer],
-                outbox: &mut Outbox<'_>,
-            ) -> Result<(), HandlerError> {
-                let ($this, $tx, $transfers, $outbox) = (self, tx, transfers, outbox);
-                $body
-            }
-        }
-    };
-}
-
-/// Right: locks the batch's accounts in order, then makes each transfer in
-/// turn, in the order given.
-struct Wallet;
-transfer_handler!(Wallet, |_this, tx, transfers, _outbox| {
-    each_in_turn(tx, transfers).await?;
-    log(tx, transfers, false).await
-});
-
-/// Wrong: sums the batch per account and moves the net, as `examples/stock`
-/// does for reservations; a batch holding `a → b 10` and `b → a 10` on two
-/// empty accounts passes whole, though neither transfer passes alone.
-struct Netting;
-transfer_handler!(Netting, |_this, tx, transfers, _outbox| {
-    lock(tx, transfers).await?;
-    let mut net = BTreeMap::<&str, i64>::new();
-    for t in transfers {
-        *net.entry(&t.from).or_default() -= t.amount;
-        *net.entry(&t.to).or_default() += t.amount;
-    }
-    let (accounts, deltas): (Vec<&str>, Vec<i64>) = net.into_iter().unzip();
-    let update = tx
-        .prepare_cached(
-            "UPDATE account SET balance = balance + d.delta \
-                 FROM unnest($1::text[], $2::bigint[]) AS d(id, delta) WHERE account.id = d.id",
-        )
-        .await?;
-    tx.execute(&update, &[&accounts, &deltas]).await?;
-    log(tx, transfers, false).await
-});
-
-/// Wrong: logs each transfer through a connection of its own, outside
-/// idem's transaction, as a call to another service would: committed even
-/// when idem's transaction is not.
-struct OwnConnection;
-transfer_handler!(OwnConnection, |_this, tx, transfers, _outbox| {
-    each_in_turn(tx, transfers).await?;
-    let schema: String = tx
-        .query_one("SELECT current_schema()::text", &[])
-        .await?
-        .get(0);
-    let (client, connection) =
-        tokio_postgres::connect(&database_url(), tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
-    client
-        .batch_execute(&format!("SET search_path TO {schema}"))
-        .await?;
-    for t in transfers {
-        client
-            .execute(
-                "INSERT INTO transfer_log VALUES ($1, $2, $3, $4, NULL)",
-                &[&t.event_id, &t.from, &t.to, &t.amount],
-            )
-            .await?;
-    }
-    Ok(())
-});
-
-/// Wrong: stamps each log row with the clock, which no run repeats.
-struct Stamped;
-transfer_handler!(Stamped, |_this, tx, transfers, _outbox| {
-    each_in_turn(tx, transfers).await?;
-    log(tx, transfers, true).await
-});
-
-/// Wrong: says how many transfers it made in one message per call, under
-/// the first transfer's key: a batch sends one, its transfers one at a time
-/// send one each.
-struct Summarizing;
-transfer_handler!(Summarizing, |_this, tx, transfers, outbox| {
-    each_in_turn(tx, transfers).await?;
-    log(tx, transfers, false).await?;
-    let summary = format!("{{\"transfers\": {}}}", transfers.len()).into_bytes();
-    let message = OutboxMessage::json("wallet.events", "transfers.made", summary);
-    outbox.send(&transfers[0].event_id, message)
-});
-
-/// Wrong: writes balances computed from what it cached of them, so that a
-/// second worker's transfers (or a transaction rolled back) are lost.
-#[derive(Default)]
-struct Cached {
-    balances: Mutex<HashMap<String, i64>>,
-}
-transfer_handler!(Cached, |this, tx, transfers, _outbox| {
-    this.transfer(tx, transfers).await
-});
-
-impl Cached {
-    async fn balance(&self, tx: &Transaction<'_>, account: &str) -> Result<i64, HandlerError> {
-        let cached = self
-            .balances
-            .lock()
-            .ok()
-            .and_then(|b| b.get(account).copied());
-        match cached {
-            Some(balance) => Ok(balance),
-            None => Ok(tx
-                .query_one("SELECT balance FROM account WHERE id = $1", &[&account])
-                .await?
-                .get(0)),
-        }
-    }
-
-    async fn transfer(
-        &self,
-        tx: &Transaction<'_>,
-        transfers: &[&Transfer],
-    ) -> Result<(), HandlerError> {
-        lock(tx, transfers).await?;
-        let set = tx
-            .prepare_cached("UPDATE account SET balance = $2 WHERE id = $1")
-            .await?;
-        for transfer in transfers {
-            let (first, second) = ordered(transfer);
-            for (account, amount) in [first, second] {
-                let balance = self.balance(tx, account).await? + amount;
-                tx.execute(&set, &[&account, &balance]).await?;
-                if let Ok(mut balances) = self.balances.lock() {
-                    balances.insert(account.to_owned(), balance);
-                }
-            }
-        }
-        log(tx, transfers, false).await
-    }
-}
-
-/// Wrong: announces each transfer itself, with a channel of its own, from
-/// `apply` (as a team that publishes with lapin where the outbox belongs):
-/// sent whether or not idem's transaction commits, and again when it runs
-/// again.
-struct Publishing {
-    exchange: String,
-    channel: tokio::sync::OnceCell<lapin::Channel>,
-}
-
-impl Publishing {
-    fn to(exchange: &str) -> Self {
-        Self {
-            exchange: exchange.to_owned(),
-            channel: tokio::sync::OnceCell::new(),
-        }
-    }
-}
-
-impl Handler for Publishing {
-    type Event = Transfer;
-    const NAME: &'static str = "wallet";
-    const MIGRATIONS: &'static [Migration] = WALLET;
-
-    fn decode(&self, body: &[u8]) -> Result<Transfer, Invalid> {
-        decode(body)
-    }
-
-    fn event_id<'e>(&self, transfer: &'e Transfer) -> &'e str {
-        &transfer.event_id
-    }
-
-    async fn apply(
-        &self,
-        tx: &Transaction<'_>,
-        transfers: &[&Transfer],
-        _outbox: &mut Outbox<'_>,
-    ) -> Result<(), HandlerError> {
-        each_in_turn(tx, transfers).await?;
-        log(tx, transfers, false).await?;
-        let channel = self
-            .channel
-            .get_or_try_init(|| async {
-                let connection =
-                    lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
-                        .await?;
-                connection.create_channel().await
-            })
-            .await
-            .map_err(HandlerError::infrastructure)?;
-        for transfer in transfers {
-            let body = serde_json::to_vec(transfer).map_err(HandlerError::message)?;
-            channel
-                .basic_publish(
-                    self.exchange.as_str().into(),
-                    "transfer.completed".into(),
-                    lapin::options::BasicPublishOptions::default(),
-                    &body,
-                    lapin::BasicProperties::default(),
-                )
-                .await
-                .map_err(HandlerError::infrastructure)?;
-        }
-        Ok(())
-    }
-}
 
 /// An exchange of the test's own, deleted when the test ends.
 struct OwnExchange(String);
@@ -431,6 +100,35 @@ fn transfers_with(pairs: bool) -> Vec<Vec<u8>> {
     bodies
 }
 
+/// Transfers as a producer sends them, where the netting mistake hides: ten
+/// pairs of empty accounts, each pair's first transfer among the first
+/// thirty and its way back among the last ten, 270 and more apart, so that
+/// no batch of the file's order holds both.
+fn transfers_far_apart() -> Vec<Vec<u8>> {
+    let mut bodies = transfers_with(false);
+    let body = |id: String, from: String, to: String| {
+        let transfer = Transfer {
+            event_id: id,
+            from,
+            to,
+            amount: 10,
+        };
+        serde_json::to_vec(&transfer).unwrap_or_default()
+    };
+    for pair in 0..10 {
+        let (a, b) = (
+            format!("empty-{}", 2 * pair),
+            format!("empty-{}", 2 * pair + 1),
+        );
+        bodies.insert(
+            3 * pair,
+            body(format!("there-{pair}"), a.clone(), b.clone()),
+        );
+        bodies.push(body(format!("back-{pair}"), b, a));
+    }
+    bodies
+}
+
 fn config(events: Vec<Vec<u8>>) -> CheckConfig {
     let mut config = CheckConfig::new(
         AmqpConfig::new(SecretUrl::new(amqp_url())),
@@ -454,6 +152,15 @@ fn run<'r>(report: &'r CheckReport, name: &str) -> anyhow::Result<&'r RunReport>
         .ok_or_else(|| anyhow::anyhow!("no run {name:?} in\n{report}"))
 }
 
+/// The report's batch equivalence.
+fn equivalence(report: &CheckReport) -> anyhow::Result<&RunReport> {
+    report
+        .runs
+        .iter()
+        .find(|run| run.name.starts_with("batch equivalence"))
+        .ok_or_else(|| anyhow::anyhow!("no batch equivalence in\n{report}"))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn transfers_applied_each_in_turn_pass_every_run() -> anyhow::Result<()> {
     // Its messages go through the outbox: nothing reaches the exchange.
@@ -464,6 +171,14 @@ async fn transfers_applied_each_in_turn_pass_every_run() -> anyhow::Result<()> {
     let first = run(&report, "reference · the file's order")?;
     assert_eq!((first.applied, first.dead_lettered), (300, 20), "{report}");
     ensure!(!report.order_matters, "{report}");
+    // Commits the worker never heard of come back as duplicates, nothing
+    // doubled or lost.
+    for mode in ["batch", "per message"] {
+        let cut = run(&report, &format!("database cut, commit in flight · {mode}"))?;
+        ensure!(cut.strikes == Some(3), "{report}");
+        ensure!(cut.duplicates.is_some_and(|n| n > 0), "{report}");
+        ensure!(cut.inconclusive.is_none() && cut.passed(), "{report}");
+    }
     Ok(())
 }
 
@@ -472,7 +187,7 @@ async fn a_handler_that_publishes_from_apply_is_caught_sending_outside_the_outbo
 -> anyhow::Result<()> {
     let events = OwnExchange::new("wallet-events");
     let config = config(transfers_with(false)).outgoing(idem::broker::Exchange::topic(&events.0));
-    let report = idem::check::run(&config, || Publishing::to(&events.0)).await?;
+    let report = idem::check::run(&config, || Publishing::to(&amqp_url(), &events.0)).await?;
     ensure!(!report.passed(), "{report}");
     let first = run(&report, "reference · the file's order")?;
     ensure!(first.sent_outside >= 300, "{report}");
@@ -530,11 +245,7 @@ async fn a_check_whose_fault_never_strikes_is_inconclusive_not_passed() -> anyho
 async fn a_handler_that_nets_a_batch_per_account_fails_batch_equivalence() -> anyhow::Result<()> {
     let report = idem::check::run(&config(transfers()), || Netting).await?;
     ensure!(!report.passed(), "{report}");
-    let equivalence = report
-        .runs
-        .iter()
-        .find(|run| run.name.starts_with("batch equivalence"))
-        .ok_or_else(|| anyhow::anyhow!("no batch equivalence in\n{report}"))?;
+    let equivalence = equivalence(&report)?;
     ensure!(!equivalence.passed(), "{report}");
     ensure!(
         equivalence.findings.iter().any(|finding| {
@@ -557,14 +268,33 @@ async fn a_handler_that_nets_a_batch_per_account_fails_batch_equivalence() -> an
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_nets_a_batch_is_caught_on_events_whose_collisions_are_far_apart()
+-> anyhow::Result<()> {
+    let report = idem::check::run(&config(transfers_far_apart()), || Netting).await?;
+    ensure!(!report.passed(), "{report}");
+    let equivalence = equivalence(&report)?;
+    ensure!(
+        equivalence.findings.iter().any(|finding| {
+            finding.contains("the batch applies whole, but ")
+                && finding.contains("check constraint")
+                && finding.contains("but back-")
+        }),
+        "{report}"
+    );
+    // One worker's batches hold both ways too, and apply what the reference
+    // gives up on.
+    ensure!(
+        !run(&report, "killed after commit · batch")?.passed(),
+        "{report}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_whose_messages_depend_on_the_batch_fails_batch_equivalence() -> anyhow::Result<()>
 {
     let report = idem::check::run(&config(transfers_with(false)), || Summarizing).await?;
-    let equivalence = report
-        .runs
-        .iter()
-        .find(|run| run.name.starts_with("batch equivalence"))
-        .ok_or_else(|| anyhow::anyhow!("no batch equivalence in\n{report}"))?;
+    let equivalence = equivalence(&report)?;
     ensure!(
         equivalence
             .findings
@@ -589,7 +319,10 @@ async fn a_handler_whose_messages_depend_on_the_batch_fails_batch_equivalence() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_handler_that_writes_through_a_connection_of_its_own_is_doubled_when_killed_before_commit()
 -> anyhow::Result<()> {
-    let report = idem::check::run(&config(transfers_with(false)), || OwnConnection).await?;
+    let report = idem::check::run(&config(transfers_with(false)), || OwnConnection {
+        database_url: database_url(),
+    })
+    .await?;
     ensure!(!report.passed(), "{report}");
     for name in [
         "killed before commit · batch",
@@ -684,6 +417,26 @@ async fn a_handler_that_computes_balances_from_a_cache_loses_updates_once_two_wo
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handler_that_reads_then_writes_a_balance_without_a_lock_loses_transfers_to_a_second_worker()
+-> anyhow::Result<()> {
+    let report = idem::check::run(&config(transfers_with(false)), || Unlocked).await?;
+    ensure!(!report.passed(), "{report}");
+    // One transaction at a time, nothing races: the references agree.
+    ensure!(
+        run(&report, "reference · the file's order, again")?.passed(),
+        "{report}"
+    );
+    // Two workers' batches of one account at once: a write is lost, money
+    // with it.
+    let shared = run(&report, "2 workers sharing the load · batch")?;
+    ensure!(
+        shared.violations > 0 && shared.diverged.unwrap_or(0) > 0,
+        "{report}"
+    );
+    Ok(())
+}
+
 /// What `binary check` printed and how it exited, on `events` written to a
 /// file of the test's own, with `args` after `--events FILE`.
 struct Checked {
@@ -697,6 +450,16 @@ async fn check_binary(
     events: &[Vec<u8>],
     args: &[&str],
 ) -> anyhow::Result<Checked> {
+    check_command(binary, &[], events, args).await
+}
+
+/// [`check_binary`], with `before` the words before `check`.
+async fn check_command(
+    binary: &std::path::Path,
+    before: &[&str],
+    events: &[Vec<u8>],
+    args: &[&str],
+) -> anyhow::Result<Checked> {
     let file = std::env::temp_dir().join(format!("{}.jsonl", crate::support::unique_name()));
     std::fs::write(&file, events.join(&b'\n'))?;
     let output = tokio::process::Command::new(binary)
@@ -704,6 +467,7 @@ async fn check_binary(
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .env(idem::vars::DATABASE_URL, database_url())
         .env(idem::vars::AMQP_URL, amqp_url())
+        .args(before)
         .arg("check")
         .arg("--events")
         .arg(&file)
@@ -774,6 +538,48 @@ async fn the_points_handler_passes_idem_check() -> anyhow::Result<()> {
         checked.stdout.contains("331 messages") && checked.stdout.contains("1 that do not decode"),
         "{}",
         checked.stdout
+    );
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_mistakes_example_fails_its_check_on_the_handler_named_first() -> anyhow::Result<()> {
+    let mistakes = crate::support::example_binary("mistakes")?;
+    // The files the example ships, as its guide runs them.
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mistakes");
+    let transfers: Vec<Vec<u8>> = std::fs::read(shipped.join("transfers.jsonl"))?
+        .split(|byte| *byte == b'\n')
+        .filter(|line| !line.is_empty())
+        .map(<[u8]>::to_vec)
+        .collect();
+    let setup = shipped.join("seed.sql").display().to_string();
+    let args = [
+        "--setup",
+        setup.as_str(),
+        "--invariant",
+        CONSERVED,
+        "--witness",
+        WITNESS,
+    ];
+    let netting = check_command(&mistakes, &["netting"], &transfers, &args).await?;
+    ensure!(
+        netting.code == Some(1)
+            && netting.stdout.contains("check FAILED: batch equivalence")
+            && netting.stdout.contains("mistakes netting check --events"),
+        "exit {:?}\n{}{}",
+        netting.code,
+        netting.stdout,
+        netting.stderr
+    );
+    // A first word that names no handler: the list, and a usage error.
+    let unknown = tokio::process::Command::new(&mistakes)
+        .args(["nettting", "check"])
+        .output()
+        .await?;
+    let stderr = String::from_utf8_lossy(&unknown.stderr);
+    ensure!(
+        unknown.status.code() == Some(2) && stderr.contains("name a handler first (right, netting"),
+        "{unknown:?}"
     );
     Ok(())
 }
