@@ -1,6 +1,7 @@
 //! The `idem` binary: every idem command for the points handler
-//! ([`idem::cli`]), and what only points has (`publish`, `demo`, `bench`,
-//! `lab`, and the worker's `--credits-exchange`).
+//! ([`idem::cli`]), and what only points has (`demo`, `bench`, `lab`,
+//! `publish`'s generated load and single event, and the worker's
+//! `--credits-exchange`).
 
 use std::process::ExitCode;
 
@@ -14,7 +15,7 @@ fn main() -> ExitCode {
 }
 
 /// The points handler's commands, and the binary's own.
-fn service() -> Service<Points, tools::Tools, tools::Credits> {
+fn service() -> Service<Points, tools::Tools, tools::Credits, tools::Payments> {
     Service::new(Points)
         .name("idem")
         .about("idem: exactly-once effects from at-least-once RabbitMQ delivery.")
@@ -23,6 +24,7 @@ fn service() -> Service<Points, tools::Tools, tools::Credits> {
         .consumer_group(points::CONSUMER_GROUP)
         .commands::<tools::Tools>()
         .worker_flags::<tools::Credits>()
+        .publish_sources::<tools::Payments>()
 }
 
 #[cfg(test)]
@@ -65,10 +67,12 @@ mod tests {
 
     #[test]
     fn publish_needs_exactly_one_source() {
-        assert!(tool(&["idem", "publish"]).is_err());
-        assert!(tool(&["idem", "publish", "--count", "3", "--file", "x"]).is_err());
-        assert!(tool(&["idem", "publish", "--event-id", "e"]).is_err());
-        assert!(tool(&["idem", "publish", "--count", "3"]).is_ok());
+        let parses = |args: &[&str]| service().command().try_get_matches_from(args).is_ok();
+        assert!(!parses(&["idem", "publish"]));
+        assert!(!parses(&["idem", "publish", "--count", "3", "--file", "x"]));
+        assert!(!parses(&["idem", "publish", "--event-id", "e"]));
+        assert!(parses(&["idem", "publish", "--count", "3"]));
+        assert!(parses(&["idem", "publish", "--file", "-"]));
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! What only the points binary has: `publish`, `demo`, `bench` and `lab`,
+//! What only the points binary has: `demo`, `bench`, `lab`, and `publish`'s
+//! sources of its own (one event from flags, a generated load),
 //! on top of the commands every handler's binary gets from [`idem::cli`].
 
 use std::path::PathBuf;
@@ -7,10 +8,10 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use idem::broker::{Exchange, PublishOptions};
+use idem::broker::Exchange;
 use idem::cli::{
-    AmqpArgs, Commands, DatabaseArgs, RouteArgs, SettingError, Wait, WaitArgs, WorkerFlags,
-    WorkerStart, choice,
+    AmqpArgs, Commands, DatabaseArgs, PublishSources, SettingError, Wait, WorkerFlags, WorkerStart,
+    choice,
 };
 use idem::secret::SecretUrl;
 use idem::vars;
@@ -18,16 +19,14 @@ use idem::worker::{Mode, WorkerConfig, WorkerError};
 use idem_points::commands::bench::{self, BenchConfig};
 use idem_points::commands::contender::{self, Contender, ContenderConfig};
 use idem_points::commands::lab::{LabConfig, Strategy};
-use idem_points::commands::publish::{PublishConfig, Source};
-use idem_points::commands::{demo, lab, publish};
+use idem_points::commands::publish::Source;
+use idem_points::commands::{demo, lab};
 use idem_points::generate::LoadSpec;
 use idem_points::points::{PaymentSucceeded, Points};
 
 /// The points binary's own subcommands.
 #[derive(Debug, Subcommand)]
 pub(crate) enum Tools {
-    /// Publish events with publisher confirms; exits 1 if any is nacked or returned.
-    Publish(PublishArgs),
     /// Run the whole story on local services, on data of its own, and report.
     Demo(DemoArgs),
     /// Measure throughput against the broker's ceiling, on data of its own.
@@ -45,7 +44,6 @@ pub(crate) enum Tools {
 impl Commands<Points> for Tools {
     fn log_filter(&self) -> &'static str {
         match self {
-            Tools::Publish(_) => idem::cli::DEFAULT_LOG_FILTER,
             // Their reports are the output; the workers' lines are noise.
             Tools::Demo(_) | Tools::Bench(_) | Tools::Lab(_) | Tools::Contender(_) => {
                 "warn,lapin=off,tokio_postgres=warn"
@@ -55,14 +53,6 @@ impl Commands<Points> for Tools {
 
     async fn run(self, _: &Points, shutdown: CancellationToken) -> anyhow::Result<ExitCode> {
         match self {
-            Tools::Publish(args) => {
-                let (config, source) = args.config()?;
-                let summary = publish::run(&config, source, &shutdown).await?;
-                println!("{summary}");
-                if !summary.report.all_confirmed() {
-                    return Ok(ExitCode::FAILURE);
-                }
-            }
             Tools::Bench(args) => {
                 let report = bench::run(&args.config()?, &shutdown).await?;
                 println!("{report}");
@@ -118,10 +108,11 @@ impl WorkerFlags<Points> for Credits {
     }
 }
 
-/// `publish`: exactly one of --event-id, --file, --count.
+/// The points service's own sources for `publish`, beside idem's `--file`:
+/// exactly one of --event-id, --file, --count.
 #[derive(Debug, Args)]
 #[command(group = clap::ArgGroup::new("source").required(true).args(["event_id", "file", "count"]))]
-pub(crate) struct PublishArgs {
+pub(crate) struct Payments {
     /// Publish one event with this id (with --order-id and --points).
     #[arg(long, requires_all = ["order_id", "points"])]
     pub(crate) event_id: Option<String>,
@@ -131,12 +122,6 @@ pub(crate) struct PublishArgs {
     /// Points of the single event.
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) points: Option<i64>,
-    /// Publish each line of this file (`-` for standard input) as one message.
-    #[arg(long)]
-    pub(crate) file: Option<PathBuf>,
-    /// With --file: send lines that are not valid events as they are.
-    #[arg(long, requires = "file")]
-    pub(crate) allow_invalid: bool,
     /// Publish this many generated events.
     #[arg(long)]
     pub(crate) count: Option<usize>,
@@ -152,20 +137,6 @@ pub(crate) struct PublishArgs {
     /// With --count: start of the generated ids (default: `load-<seed>`).
     #[arg(long)]
     pub(crate) prefix: Option<String>,
-    /// Most publishes awaiting their confirm at once.
-    #[arg(
-        long,
-        env = vars::CONFIRM_WINDOW,
-        default_value_t = PublishOptions::DEFAULT_WINDOW as u32,
-        value_parser = clap::value_parser!(u32).range(1..=65_535)
-    )]
-    pub(crate) window: u32,
-    #[command(flatten)]
-    pub(crate) amqp: AmqpArgs,
-    #[command(flatten)]
-    pub(crate) route: RouteArgs,
-    #[command(flatten)]
-    pub(crate) wait: WaitArgs,
 }
 
 /// `demo`.
@@ -415,18 +386,8 @@ impl LabArgs {
     }
 }
 
-impl PublishArgs {
-    /// Settings and source of `publish`.
-    pub(crate) fn config(&self) -> Result<(PublishConfig, Source), SettingError> {
-        let config = PublishConfig {
-            amqp: self.amqp.config(),
-            exchange: self.route.exchange().to_owned(),
-            routing_key: self.route.routing_key().to_owned(),
-            options: PublishOptions {
-                window: self.window as usize,
-                patience: self.wait.startup_timeout(),
-            },
-        };
+impl PublishSources<Points> for Payments {
+    fn bodies(&self, _: &Points) -> Result<Option<Vec<Vec<u8>>>, SettingError> {
         let source = if let (Some(event_id), Some(order_id), Some(points)) =
             (&self.event_id, &self.order_id, self.points)
         {
@@ -439,19 +400,14 @@ impl PublishArgs {
             PaymentSucceeded::parse(&event.to_body())
                 .map_err(|invalid| SettingError::new(format!("the event is invalid: {invalid}")))?;
             Source::One(event)
-        } else if let Some(path) = &self.file {
-            Source::Lines {
-                path: path.clone(),
-                allow_invalid: self.allow_invalid,
-            }
-        } else {
+        } else if let Some(count) = self.count {
             let seed = self.seed.unwrap_or_else(|| {
                 std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs())
             });
             Source::Generated(LoadSpec {
-                count: self.count.unwrap_or(0),
+                count,
                 duplicate_ratio: self.duplicate_ratio,
                 orders: self.orders,
                 seed,
@@ -460,8 +416,10 @@ impl PublishArgs {
                     .clone()
                     .unwrap_or_else(|| format!("load-{seed}")),
             })
+        } else {
+            return Ok(None);
         };
-        Ok((config, source))
+        Ok(Some(source.bodies()))
     }
 }
 

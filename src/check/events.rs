@@ -41,7 +41,7 @@ fn bodies(reader: impl BufRead, name: &str) -> Result<Vec<Vec<u8>>, CheckError> 
 /// The body of a line of a `dlq discard` file; `None` for any other line,
 /// which is a body itself (even one that is no JSON: the check sends it as
 /// it is, and the worker dead-letters it).
-fn discarded_body(line: &[u8]) -> Result<Option<Vec<u8>>, String> {
+pub(crate) fn discarded_body(line: &[u8]) -> Result<Option<Vec<u8>>, String> {
     let Ok(Value::Object(fields)) = serde_json::from_slice::<Value>(line) else {
         return Ok(None);
     };

@@ -49,6 +49,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub use config::{CheckConfig, CheckError};
+pub(crate) use events::discarded_body;
 pub use events::read as read_events;
 pub use report::{CheckReport, RunReport};
 pub use state::{Difference, LeftOut, Why};

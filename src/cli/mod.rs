@@ -21,13 +21,14 @@
 //! ```
 //!
 //! The binary then has `migrate`, `worker`, `requeue`, `dlq` (summary,
-//! list, replay, discard), `status`, `reconcile`, `relay`, `prune` and
-//! `check`, with the flags, environment variables, help, errors and exit
+//! list, replay, discard), `status`, `parked`, `console`, `reconcile`,
+//! `relay`, `publish`, `prune` and `check`, with the flags, environment variables, help, errors and exit
 //! codes of the `idem` binary; the topology and consumer group given here
 //! are the defaults of `--queue`, `--exchange`, `--consumer-group` and the
 //! rest.
-//! A service adds subcommands of its own with [`Service::commands`], and
-//! flags of its own to `worker` with [`Service::worker_flags`].
+//! A service adds subcommands of its own with [`Service::commands`],
+//! flags of its own to `worker` with [`Service::worker_flags`], and sources
+//! of events to `publish` with [`Service::publish_sources`].
 //!
 //! [`run`] is the shortest form: the queue and the consumer group are the
 //! handler's [`NAME`](Handler::NAME), and `--exchange` and `--routing-key`
@@ -58,7 +59,7 @@ pub use args::{
 
 use crate::broker::{Exchange, Topology};
 use crate::check;
-use crate::commands::{parked, prune, reconcile, status};
+use crate::commands::{parked, prune, publish, reconcile, status};
 use crate::console::Console;
 use crate::dlq::{self, Printed};
 use crate::duration;
@@ -70,8 +71,8 @@ use crate::telemetry::{self, LogFormat};
 use crate::vars;
 use crate::worker::{Mode, Worker, WorkerConfig, WorkerError};
 use args::{
-    CheckArgs, ConsoleArgs, DlqArgs, MigrateArgs, ParkedArgs, PruneArgs, ReconcileArgs, RelayArgs,
-    RequeueArgs, StatusArgs, WorkerArgs,
+    CheckArgs, ConsoleArgs, DlqArgs, MigrateArgs, ParkedArgs, PruneArgs, PublishArgs,
+    ReconcileArgs, RelayArgs, RequeueArgs, StatusArgs, WorkerArgs,
 };
 
 /// The log filter unless `RUST_LOG` says otherwise: lapin logs from its own
@@ -93,7 +94,7 @@ pub fn run<H: Handler>(handler: H) -> ExitCode {
 
 /// A handler's binary: its names, the defaults of its topology, and the
 /// commands and flags of its own.
-pub struct Service<H, X = NoCommands, F = NoFlags> {
+pub struct Service<H, X = NoCommands, F = NoFlags, P = NoFlags> {
     /// The effect every command works for.
     handler: H,
     /// The binary's name, in its help and in the line an error ends with;
@@ -112,9 +113,12 @@ pub struct Service<H, X = NoCommands, F = NoFlags> {
     settings: Vec<(&'static str, String)>,
     /// Where the handler's messages go: declared by `worker` and `relay`.
     outgoing: Vec<Exchange>,
-    /// The service's own subcommands and worker flags.
-    own: PhantomData<fn() -> (X, F)>,
+    /// The service's own subcommands, worker flags and publish sources.
+    own: PhantomData<Own<X, F, P>>,
 }
+
+/// What a [`Service`] holds of its own types: none of their values.
+type Own<X, F, P> = fn() -> (X, F, P);
 
 /// Subcommands of a service's own, beside idem's: a `clap::Subcommand` enum
 /// and how each runs.
@@ -170,9 +174,24 @@ impl<H: Handler> Commands<H> for NoCommands {
     }
 }
 
-/// No worker flags beyond idem's.
+/// No flags beyond idem's.
 #[derive(Debug, Clone, Copy, Args)]
 pub struct NoFlags {}
+
+/// Sources of events of a service's own for `publish` (a `clap::Args`
+/// struct flattened into it), beside `--file`: one event from flags, a
+/// generated load.
+pub trait PublishSources<H: Handler>: Args {
+    /// The bodies the flags give; `None` when none of them was given, and
+    /// `--file` is read.
+    fn bodies(&self, handler: &H) -> Result<Option<Vec<Vec<u8>>>, SettingError>;
+}
+
+impl<H: Handler> PublishSources<H> for NoFlags {
+    fn bodies(&self, _: &H) -> Result<Option<Vec<Vec<u8>>>, SettingError> {
+        Ok(None)
+    }
+}
 
 impl<H: Handler> WorkerFlags<H> for NoFlags {
     async fn start(self, handler: Arc<H>, worker: WorkerStart) -> Result<(), WorkerError> {
@@ -183,7 +202,7 @@ impl<H: Handler> WorkerFlags<H> for NoFlags {
 /// The command line as clap reads it; its name and about are the service's.
 #[derive(Debug, Parser)]
 #[command(about = None, long_about = None)]
-struct Cli<X: Subcommand, F: Args> {
+struct Cli<X: Subcommand, F: Args, P: Args> {
     /// Log format.
     #[arg(
         long,
@@ -195,12 +214,12 @@ struct Cli<X: Subcommand, F: Args> {
     )]
     log_format: LogFormat,
     #[command(subcommand)]
-    command: Command<X, F>,
+    command: Command<X, F, P>,
 }
 
 /// What to do.
 #[derive(Debug, Subcommand)]
-enum Command<X: Subcommand, F: Args> {
+enum Command<X: Subcommand, F: Args, P: Args> {
     /// Apply idem's migrations and the handler's (idempotent; safe to run
     /// concurrently).
     Migrate(MigrateArgs),
@@ -226,6 +245,10 @@ enum Command<X: Subcommand, F: Args> {
     /// Publish what the outbox holds (with confirms), until SIGINT/SIGTERM
     /// or, with --until-empty, until nothing is due.
     Relay(RelayArgs),
+    /// Publish events to the service's exchange, with publisher confirms
+    /// and its handler's ordering keys; each decoded first, as the worker
+    /// will. Exits 1 if any was nacked or returned.
+    Publish(Box<PublishArgs<P>>),
     /// Remove the consume records older than a window (a whole epoch at a
     /// time), and the ledger and outbox rows older than it, keeping what a
     /// dead letter may still need.
@@ -259,7 +282,7 @@ impl<H: Handler> Service<H> {
     }
 }
 
-impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
+impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>, P: PublishSources<H>> Service<H, X, F, P> {
     /// The binary's name, for its help, its errors and the commands its
     /// messages suggest [default: the name it was started under].
     pub fn name(self, name: impl Into<String>) -> Self {
@@ -340,17 +363,23 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
     }
 
     /// Subcommands of the service's own, listed after idem's.
-    pub fn commands<Y: Commands<H>>(self) -> Service<H, Y, F> {
+    pub fn commands<Y: Commands<H>>(self) -> Service<H, Y, F, P> {
         self.with_own()
     }
 
     /// Flags of the service's own for `worker`.
-    pub fn worker_flags<G: WorkerFlags<H>>(self) -> Service<H, X, G> {
+    pub fn worker_flags<G: WorkerFlags<H>>(self) -> Service<H, X, G, P> {
+        self.with_own()
+    }
+
+    /// Sources of events of the service's own for `publish`, beside
+    /// `--file` (one event from flags, a generated load).
+    pub fn publish_sources<Q: PublishSources<H>>(self) -> Service<H, X, F, Q> {
         self.with_own()
     }
 
     /// The same service with other commands and flags of its own.
-    fn with_own<Y, G>(self) -> Service<H, Y, G> {
+    fn with_own<Y, G, Q>(self) -> Service<H, Y, G, Q> {
         Service {
             handler: self.handler,
             name: self.name,
@@ -399,7 +428,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             Some(version) => format!("{version} ({idem})"),
             None => format!("({idem})"),
         };
-        let command = Cli::<X, F>::command()
+        let command = Cli::<X, F, P>::command()
             .name(name.to_owned())
             .about(about)
             .version(version)
@@ -425,7 +454,19 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
             ("slots", topology.slots.to_string()),
         ];
         defaults.extend(self.settings.iter().map(|(id, value)| (*id, value.clone())));
-        with_defaults(command, &defaults)
+        let command = with_defaults(command, &defaults);
+        // Without sources of the service's own, `--file` is the only one.
+        let own_sources = P::augment_args(clap::Command::new("publish"))
+            .get_arguments()
+            .next()
+            .is_some();
+        if own_sources {
+            command
+        } else {
+            command.mut_subcommand("publish", |publish| {
+                publish.mut_arg("file", |file| file.required(true))
+            })
+        }
     }
 
     /// Parses the process's arguments, sets up logging and signals, runs
@@ -448,7 +489,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
         let cli = match command
             .clone()
             .try_get_matches_from(&args)
-            .and_then(|matches| Cli::<X, F>::from_arg_matches(&matches))
+            .and_then(|matches| Cli::<X, F, P>::from_arg_matches(&matches))
         {
             Ok(cli) => cli,
             Err(e)
@@ -527,7 +568,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
     /// Runs one command.
     async fn dispatch(
         self,
-        command: Command<X, F>,
+        command: Command<X, F, P>,
         shutdown: CancellationToken,
     ) -> anyhow::Result<ExitCode> {
         let handler = self.handler;
@@ -577,6 +618,7 @@ impl<H: Handler, X: Commands<H>, F: WorkerFlags<H>> Service<H, X, F> {
                 };
                 companions.around(config, &shutdown, start).await?;
             }
+            Command::Publish(args) => return publish(&args, &handler, &shutdown).await,
             Command::Relay(args) => {
                 return relay_outbox::<H>(&args, &self.outgoing, &shutdown).await;
             }
@@ -672,20 +714,11 @@ async fn prove<H: Handler>(
         println!("{report}");
     }
     if !report.passed() {
-        let program = std::env::args()
-            .next()
-            .as_deref()
-            .and_then(|path| {
-                std::path::Path::new(path)
-                    .file_name()?
-                    .to_str()
-                    .map(str::to_owned)
-            })
-            .unwrap_or_else(|| "idem".to_owned());
+        // The binary as the service names it, else as it was started.
         let again = format!(
             "seed {}; the same runs again (with the same AMQP_URL and DATABASE_URL): {}",
             args.seed,
-            args.again(&program)
+            args.again(crate::program::name())
         );
         // JSON on stdout stays JSON.
         if args.json {
@@ -695,6 +728,31 @@ async fn prove<H: Handler>(
         }
     }
     Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// `publish`: the bodies the service's own flags give, else those of
+/// `--file`; exits 1 unless the broker confirmed every one.
+async fn publish<H: Handler, P: PublishSources<H>>(
+    args: &PublishArgs<P>,
+    handler: &H,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<ExitCode> {
+    let bodies = match (args.own.bodies(handler)?, &args.file) {
+        (Some(bodies), _) => bodies,
+        (None, Some(path)) => publish::read(path, handler, args.allow_invalid)?,
+        (None, None) => {
+            return Err(
+                SettingError::new("publish needs --file FILE (`-`: standard input)").into(),
+            );
+        }
+    };
+    let summary = publish::run(&args.config(), handler, bodies, shutdown).await?;
+    println!("{summary}");
+    Ok(if summary.report.all_confirmed() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE

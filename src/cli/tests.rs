@@ -40,7 +40,7 @@ fn service() -> Service<Points> {
         .consumer_group(points::CONSUMER_GROUP)
 }
 
-fn parse(args: &[&str]) -> Result<Cli<NoCommands, NoFlags>, String> {
+fn parse(args: &[&str]) -> Result<Cli<NoCommands, NoFlags, NoFlags>, String> {
     service()
         .command()
         .try_get_matches_from(args)
@@ -350,5 +350,23 @@ fn a_failing_check_s_command_again_parses_to_the_same_check() -> Result<(), Stri
     assert_eq!(again_args.ignore_columns, args.ignore_columns, "{again}");
     assert_eq!(again_args.copies, 5, "{again}");
     assert_eq!(again_args.group.consumer_group, "wallet", "{again}");
+    Ok(())
+}
+
+#[test]
+fn publish_reads_a_file_to_the_service_s_exchange_unless_it_has_sources_of_its_own()
+-> Result<(), String> {
+    let missing = parse(&["idem", "publish"]).err().unwrap_or_default();
+    assert!(missing.contains("--file <FILE>"), "{missing}");
+    let cli = parse(&["idem", "publish", "--file", "-"])?;
+    let Command::Publish(args) = &cli.command else {
+        return Err("parsed as another command".into());
+    };
+    let config = args.config();
+    assert_eq!(args.file.as_deref(), Some(std::path::Path::new("-")));
+    assert_eq!(
+        (config.exchange.as_str(), config.routing_key.as_str()),
+        ("payments", "payment.succeeded")
+    );
     Ok(())
 }

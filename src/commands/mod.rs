@@ -4,6 +4,7 @@
 
 pub mod parked;
 pub mod prune;
+pub mod publish;
 #[cfg(feature = "cli")]
 pub mod reconcile;
 pub mod status;

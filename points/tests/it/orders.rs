@@ -285,3 +285,65 @@ async fn an_order_whose_status_goes_back_is_parked_and_the_example_lists_it() ->
     worker.stop().await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_s_own_publish_sends_each_order_under_its_key_and_refuses_a_bad_file()
+-> anyhow::Result<()> {
+    let env = OrdersEnv::new().await?;
+    let lines: Vec<String> = load(20)
+        .iter()
+        .map(|(order, status)| {
+            serde_json::json!({"eventId": format!("{order}-{status}"), "order": order, "status": status})
+                .to_string()
+        })
+        .collect();
+    let file = std::env::temp_dir().join(format!("{}.jsonl", unique_name()));
+    // A status no order has: the whole file is refused, naming its line.
+    let mut bad = lines.clone();
+    bad.insert(
+        7,
+        r#"{"eventId": "o-1-lost", "order": "o-1", "status": "lost"}"#.into(),
+    );
+    std::fs::write(&file, bad.join("\n"))?;
+    let refused = env
+        .example()
+        .args(["publish", "--file"])
+        .arg(&file)
+        .output()
+        .await;
+    // The good lines, on standard input.
+    std::fs::write(&file, lines.join("\n"))?;
+    let mut publish = env.example();
+    publish
+        .args(["publish", "--file", "-"])
+        .stdin(std::fs::File::open(&file)?);
+    let published = publish.output().await;
+    let _ = std::fs::remove_file(&file);
+    let (refused, published) = (refused?, published?);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    ensure!(
+        refused.status.code() == Some(1)
+            && stderr.contains(".jsonl:8: ")
+            && stderr.contains("nothing was published"),
+        "{refused:?}"
+    );
+    let stdout = String::from_utf8_lossy(&published.stdout);
+    ensure!(
+        published.status.success()
+            && stdout.contains("published 80 messages (80 distinct events): 80 confirmed"),
+        "{published:?}"
+    );
+    // Each under its order's key, through the slots: in order, each once.
+    let worker = env.worker(free_port()?)?;
+    wait_for("every status applied", Duration::from_secs(60), || async {
+        Ok(env.count("SELECT count(*) FROM order_transitions").await? == 80)
+    })
+    .await?;
+    worker.stop().await?;
+    let transitions = env.transitions().await?;
+    ensure!(transitions.len() == 20, "{transitions:?}");
+    for (order, statuses) in &transitions {
+        ensure!(statuses == &STATUSES, "{order}: {statuses:?}");
+    }
+    Ok(())
+}

@@ -21,10 +21,12 @@ use crate::worker::{ConfigError, WorkerConfig, check_consumer_group};
 
 mod console;
 mod operator;
+mod publish;
 mod worker;
 
 pub(crate) use console::*;
 pub(crate) use operator::*;
+pub(crate) use publish::*;
 pub(crate) use worker::*;
 
 /// Where RabbitMQ is.
