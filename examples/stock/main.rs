@@ -77,11 +77,12 @@ impl Handler for Stock {
             *wanted.entry(&reservation.sku).or_default() += reservation.quantity;
         }
         let (skus, quantities): (Vec<&str>, Vec<i64>) = wanted.into_iter().unzip();
-        // An unknown SKU is not there to lock: it can never apply.
+        // An unknown SKU is not there to lock: it can never apply. The
+        // batch's SKUs are the detail, kept out of the error's text, which
+        // the dead letters are grouped by.
         let lock = tx.prepare_cached(LOCK).await?;
         if tx.query(&lock, &[&skus]).await?.len() != skus.len() {
-            let skus = skus.join(", ");
-            return Err(HandlerError::permanent(format!("no such SKU among {skus}")));
+            return Err(HandlerError::permanent_for("no such SKU", skus.join(", ")));
         }
         // An oversold SKU breaks the CHECK here: SQLSTATE 23514, a failure
         // of the message by idem's classification.

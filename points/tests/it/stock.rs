@@ -307,7 +307,7 @@ async fn stock_reservations_apply_once_and_an_oversold_one_is_dead_lettered_then
     assert!(error.contains("stock_available_check"), "{error}");
     let (failures, error) = &ledger["reservation-5"];
     assert_eq!(*failures, 1, "an unknown SKU is dead-lettered at once");
-    assert!(error.contains("no such SKU among SKU-Z"), "{error}");
+    assert_eq!(error, "no such SKU", "the SKU is the detail, not the text");
 
     // Restocked, and the missing SKU added: a replay applies both, once.
     env.sql(
@@ -449,7 +449,7 @@ async fn the_stock_binary_triages_reports_prunes_and_replays_its_own_dead_letter
     let summary = run_example(&env, &["dlq", "summary"]).await?;
     for expected in [
         "3 of 3 dead-lettered message(s) in stock.reservations.dlq match",
-        "no such SKU among SKU-Z",
+        "no such SKU",
         "stock_available_check",
         "a replay would apply 2, find 0 applied already; 1 invalid or unknown",
     ] {
@@ -553,7 +553,7 @@ async fn the_stock_binary_serves_the_console_of_its_own_dead_letters() -> anyhow
     ensure!(overview.contains("stock-reservations"), "{overview}");
     ensure!(overview.contains("stock.reservations.dlq"), "{overview}");
     let groups = http.get(url("/groups")).send().await?.text().await?;
-    ensure!(groups.contains("no such SKU among SKU-Z"), "{groups}");
+    ensure!(groups.contains("no such SKU"), "{groups}");
     ensure!(groups.contains("stock_available_check"), "{groups}");
 
     // The unknown SKU added: its group replayed, by a program with the token.
@@ -563,7 +563,7 @@ async fn the_stock_binary_serves_the_console_of_its_own_dead_letters() -> anyhow
         .get()
         .await?
         .query_one(
-            "SELECT group_id FROM mq_dead_letter_group WHERE fingerprint LIKE '%SKU-Z%'",
+            "SELECT group_id FROM mq_dead_letter_group WHERE fingerprint LIKE '%no such SKU%'",
             &[],
         )
         .await?
