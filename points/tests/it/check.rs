@@ -545,6 +545,9 @@ async fn the_points_handler_passes_idem_check() -> anyhow::Result<()> {
 #[tokio::test]
 async fn the_mistakes_example_fails_its_check_on_the_handler_named_first() -> anyhow::Result<()> {
     let mistakes = crate::support::example_binary("mistakes")?;
+    // The example's outgoing exchange, which the check's capture declares:
+    // removed when the test ends.
+    let _events = OwnExchange("mistakes.events".to_owned());
     // The files the example ships, as its guide runs them.
     let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/mistakes");
     let transfers: Vec<Vec<u8>> = std::fs::read(shipped.join("transfers.jsonl"))?
