@@ -111,8 +111,8 @@ pub async fn run<H: Handler>(
     let (mut events, mut invalid) = (HashSet::new(), 0);
     let keys: Vec<Option<String>> = bodies
         .iter()
-        .map(
-            |body| match crate::worker::decode(handler, body, usize::MAX) {
+        .map(|body| {
+            match crate::worker::decode(handler, body, WorkerConfig::DEFAULT_MAX_BODY_BYTES) {
                 Ok(event) => {
                     events.insert(handler.event_id(&event).to_owned());
                     handler.ordering_key(&event).map(str::to_owned)
@@ -121,8 +121,8 @@ pub async fn run<H: Handler>(
                     invalid += 1;
                     None
                 }
-            },
-        )
+            }
+        })
         .collect();
     // Traced, every message carries the context of this one span.
     let span = if trace::on() {
